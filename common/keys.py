@@ -1,0 +1,49 @@
+"""Names shared through Redis and the output store: queues, the job function, job IDs and Redis keys."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+QUEUES = ("short", "long")
+
+# The only function a FleetWorker executes, whatever a job in Redis names.
+JOB_FUNCTION = "worker.jobs.generate"
+
+PREFIX = "fleet"
+DUPLICATES_KEY = f"{PREFIX}:stats:duplicates"
+HEALTH_KEY = f"{PREFIX}:health"
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
+
+
+def sample_key(sample_id: str | int) -> str:
+    """The canonical text of a sample ID: 7 and "7" name the same sample."""
+    return str(sample_id)
+
+
+def job_id(partition: str, sample_id: str | int) -> str:
+    """A deterministic RQ job ID for one sample, readable and limited to RQ's `[A-Za-z0-9_-]`.
+
+    The readable part is lossy (unsafe characters folded, long IDs cut), so a hash of the exact
+    (partition, sample) pair keeps distinct samples apart.
+    """
+    key = sample_key(sample_id)
+    digest = hashlib.blake2b(f"{partition}\0{key}".encode(), digest_size=8).hexdigest()
+    readable = _UNSAFE.sub("_", f"{partition}--{key}")[:80]
+    return f"{readable}--{digest}"
+
+
+def generation_lock_key(job: str) -> str:
+    """Held while a worker generates a sample, so that two workers never generate it at once."""
+    return f"{PREFIX}:lock:{job}"
+
+
+def partition_key(partition: str) -> str:
+    """A hash the producer writes per partition: its totals, for status tooling."""
+    return f"{PREFIX}:partition:{partition}"
+
+
+def server_metrics_key(url: str) -> str:
+    """A hash of the latest metrics of one SGLang server (parsed from its log by the supervisor)."""
+    return f"{PREFIX}:server:{url}"

@@ -1,0 +1,1 @@
+"""Turns dataset partitions into generation jobs, and completed outputs into datasets."""

@@ -1,0 +1,218 @@
+"""Turning partitions into RQ jobs, idempotently: one queued job per pending prompt, however often run.
+
+RQ's own enqueue is not enough here: enqueueing an existing job ID pushes it again (so it runs
+twice), `unique=True` keeps refusing a failed job's ID, and `enqueue_many` ignores `unique`. So each
+job is created and pushed by one Lua script that first looks at the job's status in the same atomic
+step: two producers running at once cannot both push a job.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import orjson
+from redis import Redis
+from rq import Retry
+from rq.job import Job, JobStatus
+from rq.queue import Queue
+from rq.serializers import JSONSerializer
+from tqdm import tqdm
+
+from common.keys import JOB_FUNCTION, job_id, partition_key
+from common.records import GenerationJob
+from common.settings import Settings
+from common.store import OutputStore
+from producer.partitions import Partition
+from producer.prompts import Prompt, Reject, Rejected, read_prompts
+from producer.tokenizer import ChatTokenizer
+
+# A job whose worker died is put back in its queue by RQ's StartedJobRegistry.cleanup, which spends
+# one retry each time; generation failures are retried inside the worker and never use this budget.
+REQUEUES_AFTER_WORKER_DEATH = 100
+
+# A job in one of these states is someone's to finish: it is left alone.
+PENDING = {JobStatus.QUEUED, JobStatus.STARTED, JobStatus.SCHEDULED, JobStatus.DEFERRED}
+
+# KEYS: job hash, queue list, RQ's set of queues, the finished and canceled registries.
+# ARGV: job ID, then the job hash as field, value, ...
+# Returns the status that made it skip the job, or "enqueued".
+ENQUEUE_SCRIPT = """
+local status = redis.call('HGET', KEYS[1], 'status')
+if status == 'queued' or status == 'started' or status == 'scheduled' or status == 'deferred'
+   or status == 'failed' then
+    return status
+end
+redis.call('DEL', KEYS[1])
+redis.call('HSET', KEYS[1], unpack(ARGV, 2))
+redis.call('ZREM', KEYS[4], ARGV[1])
+redis.call('ZREM', KEYS[5], ARGV[1])
+redis.call('SADD', KEYS[3], KEYS[2])
+redis.call('RPUSH', KEYS[2], ARGV[1])
+return 'enqueued'
+"""
+
+
+@dataclass
+class PartitionSummary:
+    partition: str
+    total: int = 0
+    done: int = 0
+    pending: int = 0
+    failed: int = 0
+    enqueued: int = 0
+    rejected: int = 0
+    rejects: list[Reject] = field(default_factory=list, repr=False)
+
+
+@dataclass
+class _Candidate:
+    prompt: Prompt
+    job_id: str
+
+
+class Enqueuer:
+    def __init__(
+        self,
+        connection: Redis,
+        settings: Settings,
+        tokenizer: ChatTokenizer,
+        store: OutputStore,
+        batch_size: int = 500,
+    ) -> None:
+        self.connection = connection
+        self.settings = settings
+        self.tokenizer = tokenizer
+        self.store = store
+        self.batch_size = batch_size
+        self.script = connection.register_script(ENQUEUE_SCRIPT)
+
+    def enqueue(self, partition: Partition) -> PartitionSummary:
+        summary = PartitionSummary(partition.name)
+        queue = Queue(partition.queue, connection=self.connection, serializer=JSONSerializer)
+        sampling_params = partition.sampling_params(self.settings)
+        done = self.store.done(partition.name)
+        batch: list[_Candidate] = []
+        lines = tqdm(read_prompts(partition.path), desc=partition.name, unit=" prompts", disable=None, leave=False)
+        for item in lines:
+            summary.total += 1
+            if isinstance(item, Reject):
+                summary.rejects.append(item)
+                continue
+            candidate = _Candidate(item, job_id(partition.name, item.sample_id))
+            if candidate.job_id in done:
+                summary.done += 1
+                continue
+            batch.append(candidate)
+            if len(batch) >= self.batch_size:
+                self._enqueue_batch(batch, partition, queue, sampling_params, summary)
+                batch = []
+        self._enqueue_batch(batch, partition, queue, sampling_params, summary)
+        summary.rejected = len(summary.rejects)
+        self._record_totals(partition, summary)
+        return summary
+
+    def _enqueue_batch(
+        self,
+        batch: list[_Candidate],
+        partition: Partition,
+        queue: Queue,
+        sampling_params: dict[str, Any],
+        summary: PartitionSummary,
+    ) -> None:
+        # Look before tokenizing, so that a re-run over queued or failed prompts costs one round trip.
+        statuses = self._statuses(candidate.job_id for candidate in batch)
+        jobs = []
+        for candidate, status in zip(batch, statuses, strict=True):
+            if status in PENDING:
+                summary.pending += 1
+            elif status == JobStatus.FAILED:
+                summary.failed += 1
+            else:
+                job = self._build_job(candidate, partition, queue, sampling_params, summary)
+                if job is not None:
+                    jobs.append(job)
+        with self.connection.pipeline(transaction=False) as pipeline:
+            for job in jobs:
+                keys = [job.key, queue.key, Queue.redis_queues_keys]
+                keys += [queue.finished_job_registry.key, queue.canceled_job_registry.key]
+                self.script(keys=keys, args=[job.id, *_flatten(job.to_dict())], client=pipeline)
+            results = pipeline.execute()
+        for result in results:
+            outcome = result.decode()
+            if outcome == "enqueued":
+                summary.enqueued += 1
+            elif outcome == JobStatus.FAILED:
+                summary.failed += 1
+            else:
+                summary.pending += 1
+
+    def _statuses(self, job_ids: Iterable[str]) -> list[str | None]:
+        with self.connection.pipeline(transaction=False) as pipeline:
+            for identifier in job_ids:
+                pipeline.hget(Job.key_for(identifier), "status")
+            return [status.decode() if status else None for status in pipeline.execute()]
+
+    def _build_job(
+        self,
+        candidate: _Candidate,
+        partition: Partition,
+        queue: Queue,
+        sampling_params: dict[str, Any],
+        summary: PartitionSummary,
+    ) -> Job | None:
+        prompt = candidate.prompt
+        try:
+            input_ids = self.tokenizer.encode(prompt)
+            limit = self.settings.context_length
+            if len(input_ids) + sampling_params["max_new_tokens"] > limit:
+                raise Rejected(
+                    f"{len(input_ids)} prompt tokens + max_new_tokens {sampling_params['max_new_tokens']}"
+                    f" exceed the context length {limit}"
+                )
+        except Rejected as error:
+            summary.rejects.append(Reject(str(partition.path), prompt.line, str(error), prompt.sample_id))
+            return None
+        arguments = GenerationJob(
+            partition=partition.name,
+            sample_id=prompt.sample_id,
+            input_ids=input_ids,
+            sampling_params=sampling_params,
+        )
+        job = Job.create(
+            JOB_FUNCTION,
+            kwargs=arguments.model_dump(),
+            connection=self.connection,
+            id=candidate.job_id,
+            origin=queue.name,
+            description=f"generate {partition.name}/{prompt.sample_id}",
+            # A healthy generation can run for many minutes: no job timeout.
+            timeout=-1,
+            result_ttl=self.settings.result_ttl,
+            serializer=JSONSerializer,
+            status=JobStatus.QUEUED,
+            retry=Retry(max=REQUEUES_AFTER_WORKER_DEATH, enqueue_at_front=True),
+        )
+        job.enqueued_at = datetime.now(UTC)
+        return job
+
+    def _record_totals(self, partition: Partition, summary: PartitionSummary) -> None:
+        """Totals for status tooling, and the rejects report beside the outputs."""
+        self.connection.hset(
+            partition_key(partition.name),
+            mapping={
+                "total": summary.total,
+                "rejected": summary.rejected,
+                "queue": partition.queue,
+                "updated_at": datetime.now(UTC).isoformat(),
+            },
+        )
+        report = self.settings.rejects_dir / f"{partition.name}.jsonl"
+        report.parent.mkdir(parents=True, exist_ok=True)
+        report.write_bytes(b"".join(orjson.dumps(asdict(reject)) + b"\n" for reject in summary.rejects))
+
+
+def _flatten(mapping: dict[str, Any]) -> list[Any]:
+    return [item for pair in mapping.items() for item in pair]

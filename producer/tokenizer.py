@@ -1,0 +1,28 @@
+"""Rendering prompts with the model's chat template into the exact input IDs the workers send."""
+
+from __future__ import annotations
+
+from transformers import AutoTokenizer
+
+from producer.prompts import Prompt, Rejected
+
+
+class ChatTokenizer:
+    def __init__(self, name_or_path: str) -> None:
+        self.name = name_or_path
+        self.tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+        self.vocab_size = len(self.tokenizer)
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        """The prompt's input IDs: given ones checked, messages rendered with `add_generation_prompt`."""
+        if prompt.input_ids is not None:
+            if max(prompt.input_ids) >= self.vocab_size:
+                raise Rejected(f"input_ids has token {max(prompt.input_ids)} beyond the vocabulary ({self.vocab_size})")
+            return prompt.input_ids
+        try:
+            encoding = self.tokenizer.apply_chat_template(
+                prompt.messages, tools=prompt.tools, add_generation_prompt=True, tokenize=True, return_dict=True
+            )
+        except Exception as error:  # a template raises whatever jinja or its own checks raise
+            raise Rejected(f"chat template failed: {type(error).__name__}: {error}") from error
+        return list(encoding["input_ids"])

@@ -1,0 +1,1 @@
+"""Runs SGLang: capacity planning, launch, supervision, and a simulator for tests and dry runs."""

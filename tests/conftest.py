@@ -1,0 +1,41 @@
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from tests.support import RedisServer, Simulator
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.kill()
+
+
+@pytest.fixture
+def redis_client(redis_server: RedisServer) -> redis.Redis:
+    """A client of the tests' own redis-server, emptied before each test."""
+    if not redis_server.alive():
+        redis_server.start()
+    client = redis_server.client()
+    client.flushall()
+    return client
+
+
+@pytest.fixture
+def start_simulator(tmp_path: Path) -> Iterator[Callable[..., Simulator]]:
+    """Start simulators with the given flags; all are killed at teardown."""
+    started: list[Simulator] = []
+
+    def start(*flags: str, port: int | None = None) -> Simulator:
+        simulator = Simulator(tmp_path / f"simulator-{len(started)}.log", *flags, port=port).start()
+        started.append(simulator)
+        return simulator
+
+    yield start
+    for simulator in started:
+        simulator.kill()

@@ -1,0 +1,145 @@
+"""Real processes for tests: a redis-server of our own, the SGLang simulator, and polling with deadlines."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import httpx
+import redis
+
+ROOT = Path(__file__).resolve().parent.parent
+T = TypeVar("T")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_until(predicate: Callable[[], T], timeout: float = 30.0, interval: float = 0.05, what: str = "") -> T:
+    """Poll `predicate` until it returns something truthy; fail the test at the deadline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = predicate()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what or predicate}")
+        time.sleep(interval)
+
+
+class ManagedProcess:
+    """A subprocess with its output in a log file, stopped and reaped at teardown."""
+
+    def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+        self.args = args
+        self.log = log
+        self.env = env
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> ManagedProcess:
+        with open(self.log, "ab") as log:
+            self.process = subprocess.Popen(
+                self.args, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=ROOT, start_new_session=True
+            )
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def signal(self, signum: int) -> None:
+        if self.alive():
+            os.killpg(self.pid, signum)
+
+    def kill(self) -> None:
+        if self.process is None:
+            return
+        self.signal(signal.SIGKILL)
+        self.process.wait()
+
+    def wait(self, timeout: float) -> int:
+        assert self.process is not None
+        return self.process.wait(timeout)
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+
+class RedisServer(ManagedProcess):
+    """A redis-server on a free port, never the machine's own on 6379."""
+
+    def __init__(self, directory: Path) -> None:
+        self.port = free_port()
+        self.directory = directory
+        binary = shutil.which("redis-server") or "redis-server"
+        args = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(directory)]
+        args += ["--save", "", "--appendonly", "no", "--protected-mode", "no"]
+        super().__init__(args, directory / "redis.log")
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def client(self) -> redis.Redis:
+        return redis.Redis.from_url(self.url)
+
+    def start(self) -> RedisServer:
+        super().start()
+        wait_until(self._ping, timeout=10, what="redis-server to answer PING")
+        return self
+
+    def restart(self) -> None:
+        """Stop and start again empty: no persistence, so everything in it is lost."""
+        self.kill()
+        self.start()
+
+    def _ping(self) -> bool:
+        try:
+            return bool(self.client().ping())
+        except redis.ConnectionError:
+            return False
+
+
+class Simulator(ManagedProcess):
+    """`python -m server simulate` on a free port."""
+
+    def __init__(self, log: Path, *flags: str, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.flags = flags
+        args = [sys.executable, "-m", "server", "simulate", "--host", "127.0.0.1", "--port", str(self.port)]
+        super().__init__([*args, *flags], log)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> Simulator:
+        super().start()
+        wait_until(self.healthy, timeout=30, what=f"simulator on port {self.port}")
+        return self
+
+    def healthy(self) -> bool:
+        if not self.alive():
+            raise AssertionError(f"simulator exited:\n{self.output()}")
+        try:
+            return httpx.get(f"{self.url}/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def stats(self) -> dict:
+        return httpx.get(f"{self.url}/sim/stats", timeout=5).json()

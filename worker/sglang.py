@@ -1,0 +1,155 @@
+"""A client for SGLang's native `/generate` over one or more servers, with health tracking.
+
+Each request goes to the healthy server with the fewest requests in flight from this process. A
+server that refuses connections or answers 503 is marked down and probed on `/health_generate`
+until it answers again; while no server is up, callers wait instead of spending their retries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from pydantic import BaseModel, ValidationError
+
+from common.settings import Settings
+
+log = logging.getLogger(__name__)
+
+PROBE_INTERVAL = 0.5
+PROBE_TIMEOUT = 30.0
+
+
+class GenerationError(Exception):
+    """A generation that did not produce an output."""
+
+
+class PermanentError(GenerationError):
+    """The server refused the request itself (HTTP 4xx): retrying cannot help."""
+
+
+class TransientError(GenerationError):
+    """The request failed but may succeed if sent again (an aborted generation, a 5xx)."""
+
+
+class ServerDown(GenerationError):
+    """The server cannot take requests now; wait for its health instead of counting a retry."""
+
+
+class MetaInfo(BaseModel):
+    finish_reason: dict[str, Any]
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+
+class Generated(BaseModel):
+    """The fields of SGLang's `/generate` answer that the fleet keeps."""
+
+    text: str
+    output_ids: list[int]
+    meta_info: MetaInfo
+    server: str = ""
+
+
+@dataclass
+class Server:
+    url: str
+    healthy: bool = False
+    in_flight: int = 0
+    down_since: float | None = field(default_factory=time.time)
+
+
+class SGLangClient:
+    def __init__(self, settings: Settings) -> None:
+        headers = {}
+        if settings.sglang_api_key is not None:
+            headers["Authorization"] = f"Bearer {settings.sglang_api_key.get_secret_value()}"
+        # No read timeout: a healthy generation of 16K tokens can take many minutes.
+        timeout = httpx.Timeout(None, connect=settings.connect_timeout)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        self.http = httpx.AsyncClient(headers=headers, timeout=timeout, limits=limits)
+        self.servers = [Server(url) for url in settings.sglang_url]
+        self.any_healthy = asyncio.Event()
+        self._probes: dict[str, asyncio.Task[None]] = {}
+
+    async def start(self) -> None:
+        """Begin probing every server; `any_healthy` is set once one answers."""
+        for server in self.servers:
+            self._mark_down(server)
+
+    async def close(self) -> None:
+        for probe in self._probes.values():
+            probe.cancel()
+        await self.http.aclose()
+
+    async def generate(self, input_ids: list[int], sampling_params: dict[str, Any]) -> Generated:
+        server = await self._pick()
+        server.in_flight += 1
+        try:
+            response = await self.http.post(
+                f"{server.url}/generate", json={"input_ids": input_ids, "sampling_params": sampling_params}
+            )
+        except httpx.TransportError as error:
+            self._mark_down(server)
+            raise ServerDown(f"{server.url}: {type(error).__name__}: {error}") from error
+        finally:
+            server.in_flight -= 1
+        return self._parse(server, response)
+
+    def _parse(self, server: Server, response: httpx.Response) -> Generated:
+        if response.status_code == 503:
+            self._mark_down(server)
+            raise ServerDown(f"{server.url}: HTTP 503: {response.text[:200]}")
+        if 400 <= response.status_code < 500:
+            raise PermanentError(f"{server.url}: HTTP {response.status_code}: {response.text[:500]}")
+        if response.status_code != 200:
+            raise TransientError(f"{server.url}: HTTP {response.status_code}: {response.text[:200]}")
+        try:
+            generated = Generated.model_validate_json(response.content)
+        except ValidationError as error:
+            raise TransientError(f"{server.url}: unexpected answer: {error}") from error
+        generated.server = server.url
+        reason = generated.meta_info.finish_reason.get("type")
+        if reason not in ("stop", "length"):
+            message = generated.meta_info.finish_reason.get("message", "")
+            raise TransientError(f"{server.url}: generation ended with {reason!r}: {message}")
+        return generated
+
+    async def _pick(self) -> Server:
+        while True:
+            healthy = [server for server in self.servers if server.healthy]
+            if healthy:
+                return min(healthy, key=lambda server: server.in_flight)
+            await self.any_healthy.wait()
+
+    def _mark_down(self, server: Server) -> None:
+        if server.url in self._probes:
+            return
+        if server.healthy:
+            log.warning("server %s is down; waiting for /health_generate", server.url)
+            server.down_since = time.time()
+        server.healthy = False
+        if not any(other.healthy for other in self.servers):
+            self.any_healthy.clear()
+        self._probes[server.url] = asyncio.create_task(self._probe(server))
+
+    async def _probe(self, server: Server) -> None:
+        """Poll `/health_generate` until the server can generate again."""
+        while True:
+            try:
+                response = await self.http.get(f"{server.url}/health_generate", timeout=PROBE_TIMEOUT)
+                if response.status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            await asyncio.sleep(PROBE_INTERVAL)
+        log.info("server %s is healthy", server.url)
+        server.healthy = True
+        server.down_since = None
+        del self._probes[server.url]
+        self.any_healthy.set()
