@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
-from transformers import AutoTokenizer
+import logging
 
 from producer.prompts import Prompt, Rejected
+
+# transformers warns on import that PyTorch is missing; the producer needs only its tokenizers.
+logging.getLogger("transformers").addFilter(lambda record: "PyTorch was not found" not in record.getMessage())
+
+from transformers import AutoTokenizer  # noqa: E402
 
 
 class ChatTokenizer:

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from tests.support import RedisServer, Simulator
+from tests.support import Fleet, RedisServer, Simulator
 
 
 @pytest.fixture(scope="session")
@@ -39,3 +39,11 @@ def start_simulator(tmp_path: Path) -> Iterator[Callable[..., Simulator]]:
     yield start
     for simulator in started:
         simulator.kill()
+
+
+@pytest.fixture
+def fleet(tmp_path: Path, redis_client: redis.Redis, redis_server: RedisServer) -> Iterator[Fleet]:
+    """Settings and processes of a fleet on the tests' redis-server; point it at a simulator with `sglang_url`."""
+    fleet = Fleet(tmp_path, redis_server.url)
+    yield fleet
+    fleet.stop()

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import httpx
+import orjson
 import redis
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -143,3 +144,59 @@ class Simulator(ManagedProcess):
 
     def stats(self) -> dict:
         return httpx.get(f"{self.url}/sim/stats", timeout=5).json()
+
+
+class Fleet:
+    """The fleet's processes for one test: settings as FLEET_* variables, producers and workers."""
+
+    def __init__(self, directory: Path, redis_url: str, sglang_url: str = "http://127.0.0.1:9") -> None:
+        self.directory = directory
+        self.data_dir = directory / "data"
+        self.output_dir = directory / "output"
+        self.data_dir.mkdir(exist_ok=True)
+        self.env = os.environ | {
+            "FLEET_REDIS_URL": redis_url,
+            "FLEET_SGLANG_URL": sglang_url,
+            "FLEET_DATA_DIR": str(self.data_dir),
+            "FLEET_OUTPUT_DIR": str(self.output_dir),
+            "FLEET_TOKENIZER": str(ROOT / "sample" / "tokenizer"),
+            "FLEET_HEARTBEAT_INTERVAL": "0.5",
+            "FLEET_LEASE_TTL": "3",
+            "FLEET_RETRY_BACKOFF": "0.05",
+            "FLEET_SHUTDOWN_GRACE": "10",
+        }
+        self.workers: list[ManagedProcess] = []
+
+    def point_at(self, *simulators: Simulator) -> None:
+        self.env["FLEET_SGLANG_URL"] = ",".join(simulator.url for simulator in simulators)
+
+    def write_partition(self, name: str, records: list[dict | str]) -> Path:
+        """Write `<name>.jsonl`: dicts as JSON lines, strings as they are (to write bad lines)."""
+        path = self.data_dir / f"{name}.jsonl"
+        lines = [record if isinstance(record, str) else orjson.dumps(record).decode() for record in records]
+        path.write_text("".join(line + "\n" for line in lines))
+        return path
+
+    def producer(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        result = subprocess.run(
+            [sys.executable, "-m", "producer", *args], env=self.env, cwd=ROOT, capture_output=True, text=True
+        )
+        if check and result.returncode != 0:
+            raise AssertionError(f"producer {args} exited {result.returncode}:\n{result.stdout}\n{result.stderr}")
+        return result
+
+    def start_worker(self, *args: str, env: dict[str, str] | None = None) -> ManagedProcess:
+        log = self.directory / f"worker-{len(self.workers)}.log"
+        command = [sys.executable, "-m", "worker", *(args or ("short", "long"))]
+        worker = ManagedProcess(command, log, env=self.env | (env or {})).start()
+        self.workers.append(worker)
+        return worker
+
+    def outputs(self, partition: str) -> list[dict]:
+        """Every committed record of `partition`, read straight from the store's files."""
+        base = self.output_dir / "samples" / partition
+        return [orjson.loads(path.read_bytes()) for path in sorted(base.glob("*/*.json"))] if base.exists() else []
+
+    def stop(self) -> None:
+        for worker in self.workers:
+            worker.kill()

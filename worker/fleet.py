@@ -22,12 +22,10 @@ import signal
 import time
 import traceback
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, TypeVar
+from typing import Any
 
-import redis
 from pydantic import ValidationError
 from rq import Queue, Worker
 from rq.exceptions import DeserializationError, NoSuchJobError
@@ -41,10 +39,10 @@ from common.records import GenerationJob
 from common.settings import Settings, get_settings
 from common.store import OutputStore
 from worker.generation import Generator
+from worker.redis_calls import call_redis
 from worker.sglang import SGLangClient
 
-log = logging.getLogger("rq.worker")
-T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 # How long an idle worker waits before looking at empty queues again.
 POLL_INTERVAL = 0.2
@@ -114,7 +112,8 @@ class FleetWorker(Worker):
     def work(self, burst: bool = False, logging_level: str | None = None, *args: Any, **kwargs: Any) -> bool:
         date_format = kwargs.get("date_format") or "%H:%M:%S"
         log_format = kwargs.get("log_format") or "%(asctime)s %(message)s"
-        setup_loghandlers(logging_level or "INFO", date_format, log_format)
+        for name in ("rq.worker", "worker"):
+            setup_loghandlers(logging_level or "INFO", date_format, log_format, name=name)
         return asyncio.run(self._work(burst))
 
     def slots(self, queue: Queue) -> int:
@@ -137,7 +136,7 @@ class FleetWorker(Worker):
             self.settings, self.connection, OutputStore(self.settings.samples_dir), self.client, self.name
         )
         await self.client.start()
-        await self._redis(self.register_birth)
+        await call_redis(self.register_birth)
         log.info("FleetWorker %s: queues %s", self.name, self._slot_summary())
         background = [asyncio.create_task(self._heartbeats()), asyncio.create_task(self._maintenance())]
         try:
@@ -147,7 +146,7 @@ class FleetWorker(Worker):
             for task in background:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
-            await self._redis(self.register_death)
+            await call_redis(self.register_death)
             await self.client.close()
         log.info("FleetWorker %s: stopped", self.name)
         return True
@@ -170,7 +169,7 @@ class FleetWorker(Worker):
         for queue in self.queues:
             while self.slots(queue) > 0 and not self._stop.is_set():
                 entry = InFlight("", queue)
-                job_id = await self._redis(self._claim_one, entry)
+                job_id = await call_redis(self._claim_one, entry)
                 if job_id is None:
                     break
                 entry.job_id = job_id
@@ -190,9 +189,9 @@ class FleetWorker(Worker):
 
     async def _perform(self, entry: InFlight) -> None:
         try:
-            job = await self._redis(Job.fetch, entry.job_id, connection=self.connection, serializer=JSONSerializer)
+            job = await call_redis(Job.fetch, entry.job_id, connection=self.connection, serializer=JSONSerializer)
         except NoSuchJobError:
-            await self._redis(self._requeue_entry, entry)
+            await call_redis(self._requeue_entry, entry)
             return self._done(entry)
         try:
             arguments = self._arguments(job)
@@ -200,13 +199,13 @@ class FleetWorker(Worker):
         except asyncio.CancelledError:
             raise  # the drain puts the job back in its queue
         except _Refused as error:
-            await self._redis(self._record_failure, job, entry, str(error))
+            await call_redis(self._record_failure, job, entry, str(error))
         except Exception as error:
             log.warning("job %s failed: %s: %s", job.id, type(error).__name__, error)
             failure = "".join(traceback.format_exception(error))
-            await self._redis(self._record_failure, job, entry, failure)
+            await call_redis(self._record_failure, job, entry, failure)
         else:
-            await self._redis(self._record_success, job, entry, result)
+            await call_redis(self._record_success, job, entry, result)
         self._done(entry)
 
     def _arguments(self, job: Job) -> GenerationJob:
@@ -295,7 +294,7 @@ class FleetWorker(Worker):
                 entry.task.cancel()
         await asyncio.gather(*(entry.task for entry in left if entry.task), return_exceptions=True)
         for entry in left:
-            await self._redis(self._requeue_entry, entry)
+            await call_redis(self._requeue_entry, entry)
         if left:
             log.info("requeued %d unfinished jobs", len(left))
 
@@ -304,7 +303,7 @@ class FleetWorker(Worker):
     async def _heartbeats(self) -> None:
         while True:
             await asyncio.sleep(self.settings.heartbeat_interval)
-            await self._redis(self._heartbeat_once)
+            await call_redis(self._heartbeat_once)
 
     def _heartbeat_once(self) -> None:
         if not self.connection.exists(self.key):
@@ -323,7 +322,7 @@ class FleetWorker(Worker):
         """Requeue jobs whose worker died, through RQ's own StartedJobRegistry.cleanup."""
         while True:
             await asyncio.sleep(self.settings.heartbeat_interval)
-            await self._redis(self._clean_started_registries)
+            await call_redis(self._clean_started_registries)
 
     def _clean_started_registries(self) -> None:
         # One worker at a time: RQ's cleanup is not atomic, and two at once would push a job twice.
@@ -332,17 +331,6 @@ class FleetWorker(Worker):
             return
         for queue in self.queues:
             StartedJobRegistry(queue.name, connection=self.connection, serializer=JSONSerializer).cleanup()
-
-    async def _redis(self, function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """Run a blocking Redis call off the event loop, retrying while Redis is unreachable."""
-        delay = 0.1
-        while True:
-            try:
-                return await asyncio.to_thread(function, *args, **kwargs)
-            except (redis.ConnectionError, redis.TimeoutError) as error:
-                log.warning("Redis unavailable (%s); retrying in %.1fs", error, delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
 
     def _slot_summary(self) -> str:
         return ", ".join(f"{queue.name} x{self.settings.concurrency(queue.name)}" for queue in self.queues)

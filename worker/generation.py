@@ -12,6 +12,7 @@ from common.keys import DUPLICATES_KEY, generation_lock_key
 from common.records import GenerationJob, OutputRecord
 from common.settings import Settings
 from common.store import OutputStore
+from worker.redis_calls import call_redis
 from worker.sglang import Generated, ServerDown, SGLangClient, TransientError
 
 log = logging.getLogger(__name__)
@@ -76,7 +77,7 @@ class Generator:
             committed = await asyncio.to_thread(self.store.commit, record)
             if not committed:
                 log.warning("discarded a duplicate output for %s", job_id)
-                await asyncio.to_thread(self.connection.incr, DUPLICATES_KEY)
+                await call_redis(self.connection.incr, DUPLICATES_KEY)
             return {
                 "committed": committed,
                 "finish_reason": record.finish_reason.get("type"),
@@ -104,13 +105,13 @@ class Generator:
     async def _acquire(self, lock: str) -> None:
         """Take the sample's generation lease, waiting while another worker holds it."""
         lease_ms = self.settings.lease_ttl * 1000
-        while not await asyncio.to_thread(self.connection.set, lock, self.owner, nx=True, px=lease_ms):
+        while not await call_redis(self.connection.set, lock, self.owner, nx=True, px=lease_ms):
             await asyncio.sleep(self.settings.heartbeat_interval)
         self.locks.add(lock)
 
     async def _release_lock(self, lock: str) -> None:
         self.locks.discard(lock)
-        await asyncio.to_thread(self._release, keys=[lock], args=[self.owner])
+        await call_redis(self._release, keys=[lock], args=[self.owner])
 
     def renew_locks(self) -> None:
         """Extend every lease this worker holds; called from the worker's heartbeat."""

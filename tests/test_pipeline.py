@@ -1,0 +1,224 @@
+"""End to end with real processes: producer, FleetWorkers, redis-server and the simulator, under faults.
+
+Every test ends with the same check: one correct record per accepted prompt, none twice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import orjson
+import pytest
+import redis
+from rq.job import Job
+from rq.registry import FailedJobRegistry, StartedJobRegistry
+from rq.serializers import JSONSerializer
+
+from common.keys import DUPLICATES_KEY, job_id
+from tests.support import ROOT, Fleet, RedisServer, Simulator, wait_until
+
+Start = Callable[..., Simulator]
+
+
+def prompts(count: int, partition: str = "p") -> list[dict]:
+    return [{"id": f"{partition}-{n}", "prompt": f"Question number {n} of {partition}?"} for n in range(count)]
+
+
+def assert_exactly_once(fleet: Fleet, partition: str, ids: list[str]) -> list[dict]:
+    """Every sample has exactly one committed, complete record, and the export lists them in input order."""
+    records = fleet.outputs(partition)
+    assert sorted(record["id"] for record in records) == sorted(ids)
+    for record in records:
+        assert record["finish_reason"]["type"] in ("stop", "length")
+        assert record["completion_tokens"] == len(record["output_ids"]) > 0
+        assert record["input_ids"] and record["server"].startswith("http://127.0.0.1:")
+    out = fleet.directory / "export"
+    fleet.producer("export", "--partition", partition, "--out", str(out), "--strict")
+    exported = [orjson.loads(line) for line in (out / f"{partition}.jsonl").read_bytes().splitlines()]
+    assert [record["id"] for record in exported] == ids
+    return records
+
+
+def wait_for_outputs(fleet: Fleet, partition: str, count: int, timeout: float = 60) -> None:
+    wait_until(lambda: len(fleet.outputs(partition)) >= count, timeout=timeout, what=f"{count} outputs")
+
+
+def generations_per_prompt(simulator: Simulator) -> list[int]:
+    return list(simulator.stats()["inputs"].values())
+
+
+def test_exactly_once_end_to_end_with_two_workers(fleet: Fleet, start_simulator: Start):
+    simulator = start_simulator("--token-latency", "0.001")
+    fleet.point_at(simulator)
+    fleet.write_partition("p", prompts(120))
+    fleet.write_partition("q", prompts(30, "q"))
+    (fleet.data_dir / "partitions.toml").write_text('[q]\nqueue = "long"\n')
+    fleet.producer("enqueue")
+    workers = [fleet.start_worker("short", "long", "--burst") for _ in range(2)]
+    assert all(worker.wait(timeout=120) == 0 for worker in workers)
+
+    records = assert_exactly_once(fleet, "p", [f"p-{n}" for n in range(120)])
+    assert_exactly_once(fleet, "q", [f"q-{n}" for n in range(30)])
+    assert max(generations_per_prompt(simulator)) == 1
+    assert {record["sampling_params"]["max_new_tokens"] for record in records} == {10240}
+    # The record is what the server generated for exactly this prompt.
+    for record in records[:3]:
+        digest = hashlib.sha1(orjson.dumps(record["input_ids"])).hexdigest()
+        assert digest in simulator.stats()["inputs"]
+    # A re-run finds everything done.
+    assert fleet.producer("enqueue").stdout.splitlines()[1].split() == ["p", "120", "120", "0", "0", "0", "0"]
+
+
+@pytest.mark.parametrize("fault", ["--abort-rate", "--error-rate"])
+def test_aborts_and_503s_are_retried_not_committed(fleet: Fleet, start_simulator: Start, fault: str):
+    simulator = start_simulator(fault, "0.3", "--seed", "3")
+    fleet.point_at(simulator)
+    fleet.write_partition("p", prompts(40))
+    fleet.producer("enqueue")
+    worker = fleet.start_worker("--burst", env={"FLEET_MAX_ATTEMPTS": "20"})
+    assert worker.wait(timeout=120) == 0
+    assert_exactly_once(fleet, "p", [f"p-{n}" for n in range(40)])
+    stats = simulator.stats()
+    assert stats["aborted"] + stats["errors"] > 0
+
+
+def test_server_refusing_connections_holds_jobs_until_it_answers(fleet: Fleet, start_simulator: Start, tmp_path: Path):
+    port = Simulator(tmp_path / "unused.log").port
+    fleet.env["FLEET_SGLANG_URL"] = f"http://127.0.0.1:{port}"
+    fleet.write_partition("p", prompts(20))
+    fleet.producer("enqueue")
+    worker = fleet.start_worker("--burst")
+    wait_until(lambda: "not dequeuing" in worker.output(), what="the worker to wait for a server")
+    assert worker.alive() and len(fleet.outputs("p")) == 0
+
+    start_simulator(port=port)
+    assert worker.wait(timeout=60) == 0
+    assert_exactly_once(fleet, "p", [f"p-{n}" for n in range(20)])
+
+
+def test_http_400_fails_the_job_with_the_servers_message(fleet: Fleet, start_simulator: Start, redis_client):
+    simulator = start_simulator("--context-length", "60")
+    fleet.point_at(simulator)
+    fleet.write_partition("p", [{"id": "short", "input_ids": [5] * 10}, {"id": "long", "input_ids": [5] * 80}])
+    fleet.env["FLEET_SHORT_MAX_NEW_TOKENS"] = "16"
+    fleet.producer("enqueue")
+    assert fleet.start_worker("--burst").wait(timeout=60) == 0
+
+    assert [record["id"] for record in fleet.outputs("p")] == ["short"]
+    failed = FailedJobRegistry("short", connection=redis_client, serializer=JSONSerializer)
+    assert failed.get_job_ids() == [job_id("p", "long")]
+    job = Job.fetch(job_id("p", "long"), connection=redis_client, serializer=JSONSerializer)
+    assert "HTTP 400" in job.latest_result().exc_string
+    # A re-run of enqueue leaves the failed job alone.
+    assert fleet.producer("enqueue").stdout.splitlines()[1].split() == ["p", "2", "1", "0", "1", "0", "0"]
+
+
+def test_server_killed_mid_run_and_restarted(fleet: Fleet, start_simulator: Start):
+    simulator = start_simulator("--exit-after", "25", "--token-latency", "0.002")
+    fleet.point_at(simulator)
+    fleet.write_partition("p", prompts(80))
+    fleet.producer("enqueue")
+    worker = fleet.start_worker("--burst")
+    wait_until(lambda: not simulator.alive(), what="the simulator to crash")
+    assert 0 < len(fleet.outputs("p")) < 80
+    start_simulator(port=simulator.port)
+    assert worker.wait(timeout=90) == 0
+    assert_exactly_once(fleet, "p", [f"p-{n}" for n in range(80)])
+
+
+def test_sigkilled_worker_jobs_are_requeued_and_finished(fleet: Fleet, start_simulator: Start, redis_client):
+    # Slow generations, so that the first worker dies with jobs in flight.
+    simulator = start_simulator("--token-latency", "0.02", "--min-output-tokens", "100", "--max-output-tokens", "100")
+    fleet.point_at(simulator)
+    fleet.write_partition("p", prompts(30))
+    fleet.producer("enqueue")
+    doomed = fleet.start_worker()
+    started = StartedJobRegistry("short", connection=redis_client, serializer=JSONSerializer)
+    wait_until(lambda: started.count >= 30, what="30 jobs in flight")
+    doomed.signal(signal.SIGKILL)
+    killed_at = time.monotonic()
+
+    survivor = fleet.start_worker()
+    wait_until(lambda: started.count == 0 or len(fleet.outputs("p")) == 30, timeout=60, what="jobs requeued")
+    assert time.monotonic() - killed_at < 60
+    wait_for_outputs(fleet, "p", 30)
+    survivor.signal(signal.SIGTERM)
+    assert survivor.wait(timeout=30) == 0
+    assert_exactly_once(fleet, "p", [f"p-{n}" for n in range(30)])
+    assert started.count == 0
+
+
+def test_redis_restarted_empty_mid_run_is_recovered_by_reenqueue(
+    fleet: Fleet, start_simulator: Start, redis_server: RedisServer
+):
+    simulator = start_simulator("--token-latency", "0.01", "--min-output-tokens", "50", "--max-output-tokens", "50")
+    fleet.point_at(simulator)
+    fleet.write_partition("p", prompts(60))
+    fleet.producer("enqueue")
+    worker = fleet.start_worker(env={"FLEET_SHORT_CONCURRENCY": "10"})
+    wait_for_outputs(fleet, "p", 5)
+    redis_server.restart()  # no persistence: every job, queue and registry is gone
+
+    _, total, done, pending, failed, enqueued, rejected = fleet.producer("enqueue").stdout.splitlines()[1].split()
+    assert (total, pending, failed, rejected) == ("60", "0", "0", "0")
+    assert int(done) + int(enqueued) == 60 and int(enqueued) > 0
+    wait_for_outputs(fleet, "p", 60)
+    worker.signal(signal.SIGTERM)
+    assert worker.wait(timeout=30) == 0
+    assert_exactly_once(fleet, "p", [f"p-{n}" for n in range(60)])
+    # Samples in flight during the restart may have been generated twice; only the first commit counts.
+    duplicates = int(redis_server.client().get(DUPLICATES_KEY) or 0)
+    assert sum(count - 1 for count in generations_per_prompt(simulator)) >= duplicates
+
+
+def test_sigterm_lets_jobs_finish_then_requeues_the_rest(fleet: Fleet, start_simulator: Start, redis_client):
+    simulator = start_simulator("--token-latency", "0.05", "--min-output-tokens", "100", "--max-output-tokens", "100")
+    fleet.point_at(simulator)
+    fleet.write_partition("p", prompts(10))
+    fleet.producer("enqueue")
+    worker = fleet.start_worker(env={"FLEET_SHUTDOWN_GRACE": "0.5"})
+    started = StartedJobRegistry("short", connection=redis_client, serializer=JSONSerializer)
+    wait_until(lambda: started.count == 10, what="10 jobs in flight")
+    worker.signal(signal.SIGTERM)
+    assert worker.wait(timeout=30) == 0
+    assert "requeued 10 unfinished jobs" in worker.output()
+    assert redis_client.llen("rq:queue:short") == 10
+    assert FailedJobRegistry("short", connection=redis_client).count == 0
+
+    patient = fleet.start_worker("--burst")
+    assert patient.wait(timeout=60) == 0
+    assert_exactly_once(fleet, "p", [f"p-{n}" for n in range(10)])
+
+
+def test_worker_runs_nothing_but_the_generation_job(fleet: Fleet, start_simulator: Start, redis_client, tmp_path):
+    fleet.point_at(start_simulator())
+    marker = tmp_path / "pwned"
+    job = Job.create(
+        "os.system", args=[f"touch {marker}"], connection=redis_client, id="evil", origin="short",
+        serializer=JSONSerializer, status="queued",
+    )
+    job.save()
+    redis_client.rpush("rq:queue:short", "evil")
+    assert fleet.start_worker("--burst").wait(timeout=30) == 0
+    assert not marker.exists()
+    failure = Job.fetch("evil", connection=redis_client, serializer=JSONSerializer).latest_result().exc_string
+    assert "FleetWorker runs only worker.jobs.generate" in failure
+
+
+def test_a_plain_rq_worker_started_by_mistake_destroys_no_job(fleet: Fleet, redis_client: redis.Redis):
+    fleet.write_partition("p", prompts(3))
+    fleet.producer("enqueue")
+    command = [sys.executable, "-m", "rq.cli", "worker", "--burst", "-u", fleet.env["FLEET_REDIS_URL"], "short"]
+    subprocess.run(command, cwd=ROOT, env=fleet.env, capture_output=True, timeout=60, check=False)
+    # Whatever it did, every job still exists with its arguments, queued or failed, and a FleetWorker can
+    # still run it.
+    for n in range(3):
+        job = Job.fetch(job_id("p", f"p-{n}"), connection=redis_client, serializer=JSONSerializer)
+        assert job.kwargs["sample_id"] == f"p-{n}"
+        assert job.get_status() in ("queued", "failed")

@@ -1,0 +1,166 @@
+"""The producer against a real redis-server: rejects, idempotence, concurrency, skip-done, options."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import orjson
+import redis
+from rq.job import Job
+from rq.serializers import JSONSerializer
+from transformers import AutoTokenizer
+
+from common.keys import job_id
+from common.records import OutputRecord
+from common.store import OutputStore
+from tests.support import ROOT, Fleet
+
+TOKENIZER = str(ROOT / "sample" / "tokenizer")
+
+
+def queued(client: redis.Redis, queue: str = "short") -> list[str]:
+    return [item.decode() for item in client.lrange(f"rq:queue:{queue}", 0, -1)]
+
+
+def job_kwargs(client: redis.Redis, identifier: str) -> dict:
+    return Job.fetch(identifier, connection=client, serializer=JSONSerializer).kwargs
+
+
+def test_every_kind_of_bad_record_is_rejected_with_file_line_and_reason(fleet: Fleet, redis_client: redis.Redis):
+    path = fleet.write_partition(
+        "mixed",
+        [
+            {"id": "good-1", "prompt": "hello"},
+            "{not json",
+            "[1, 2, 3]",
+            {"id": "no-prompt"},
+            {"id": "two-shapes", "prompt": "a", "messages": [{"role": "user", "content": "b"}]},
+            {"id": "empty", "prompt": "   "},
+            {"id": "empty-messages", "messages": []},
+            {"id": "only-assistant", "messages": [{"role": "assistant", "content": "hi"}]},
+            {"id": "bad-role", "messages": [{"role": "wizard", "content": "hi"}]},
+            {"id": "bad-speaker", "conversations": [{"from": "alien", "value": "hi"}]},
+            {"id": "good-1", "prompt": "same id again"},
+            {"id": True, "prompt": "boolean id"},
+            {"id": "bad-ids", "input_ids": [1, -2]},
+            {"id": "beyond-vocab", "input_ids": [1, 10**9]},
+            {"id": "too-long", "input_ids": [5] * 40000},
+            {"id": "good-2", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "x"}]},
+        ],
+    )
+    result = fleet.producer("enqueue", "--partition", "mixed", "--show-rejects", "0")
+
+    rejects = [orjson.loads(line) for line in (fleet.output_dir / "rejects" / "mixed.jsonl").read_bytes().splitlines()]
+    reasons = {reject["line"]: reject["reason"] for reject in rejects}
+    assert sorted(reasons) == list(range(2, 16))
+    assert all(reject["file"] == str(path) for reject in rejects)
+    assert "malformed JSON" in reasons[2]
+    assert "expected a JSON object" in reasons[3]
+    assert "found none" in reasons[4]
+    assert "found messages, prompt" in reasons[5] or "found prompt, messages" in reasons[5]
+    assert "non-empty string" in reasons[6]
+    assert "non-empty list" in reasons[7]
+    assert "empty prompt" in reasons[8]
+    assert "role" in reasons[9]
+    assert "unknown speaker" in reasons[10]
+    assert "duplicate id 'good-1' (first on line 1)" in reasons[11]
+    assert "id must be" in reasons[12]
+    assert "non-negative integers" in reasons[13]
+    assert "beyond the vocabulary" in reasons[14]
+    assert "exceed the context length 32768" in reasons[15]
+
+    summary = result.stdout.splitlines()[1].split()
+    assert summary == ["mixed", "16", "0", "0", "0", "2", "14"]
+    assert sorted(queued(redis_client)) == sorted([job_id("mixed", "good-1"), job_id("mixed", "good-2")])
+
+
+def test_chat_template_renders_messages_without_trailing_assistant_turns(fleet: Fleet, redis_client: redis.Redis):
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is 2+2?"},
+        {"role": "assistant", "content": "4, as the reference says."},
+    ]
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    fleet.write_partition("chat", [{"id": 7, "messages": messages, "tools": tools}, {"prompt": "hi"}])
+    fleet.producer("enqueue", "--partition", "chat")
+
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
+    expected = tokenizer.apply_chat_template(messages[:2], tools=tools, add_generation_prompt=True, tokenize=False)
+    kwargs = job_kwargs(redis_client, job_id("chat", 7))
+    assert tokenizer.decode(kwargs["input_ids"]) == expected
+    assert kwargs["sample_id"] == 7
+    # An ID defaults to the record's 0-based line number.
+    assert job_kwargs(redis_client, job_id("chat", 1))["sample_id"] == 1
+    params = kwargs["sampling_params"]
+    assert params["max_new_tokens"] == 10240
+    assert params["skip_special_tokens"] is False
+
+
+def test_enqueue_twice_leaves_one_job_per_prompt(fleet: Fleet, redis_client: redis.Redis):
+    fleet.write_partition("p", [{"prompt": f"question {n}"} for n in range(50)])
+    first = fleet.producer("enqueue").stdout.splitlines()[1].split()
+    second = fleet.producer("enqueue").stdout.splitlines()[1].split()
+    assert first == ["p", "50", "0", "0", "0", "50", "0"]
+    assert second == ["p", "50", "0", "50", "0", "0", "0"]
+    assert len(queued(redis_client)) == 50
+
+
+def test_concurrent_producers_enqueue_each_prompt_once(fleet: Fleet, redis_client: redis.Redis):
+    fleet.write_partition("p", [{"prompt": f"question {n}"} for n in range(400)])
+    command = [sys.executable, "-m", "producer", "enqueue"]
+    producers = [
+        subprocess.Popen(command, env=fleet.env, cwd=ROOT, stdout=subprocess.PIPE, text=True) for _ in range(3)
+    ]
+    outputs = [process.communicate(timeout=120)[0] for process in producers]
+    assert all(process.returncode == 0 for process in producers)
+    ids = queued(redis_client)
+    assert len(ids) == 400 == len(set(ids))
+    enqueued = [int(output.splitlines()[1].split()[5]) for output in outputs]
+    assert sum(enqueued) == 400
+
+
+def test_completed_samples_are_not_enqueued(fleet: Fleet, redis_client: redis.Redis):
+    fleet.write_partition("p", [{"id": n, "prompt": f"question {n}"} for n in range(5)])
+    store = OutputStore(fleet.output_dir / "samples")
+    for sample in (1, 3):
+        store.commit(
+            OutputRecord(
+                id=sample, partition="p", job_id=job_id("p", sample), input_ids=[1], output_ids=[2], text="",
+                finish_reason={"type": "stop"}, prompt_tokens=1, completion_tokens=1, sampling_params={}, server="x",
+            )
+        )
+    summary = fleet.producer("enqueue").stdout.splitlines()[1].split()
+    assert summary == ["p", "5", "2", "0", "0", "3", "0"]
+    assert sorted(queued(redis_client)) == sorted(job_id("p", n) for n in (0, 2, 4))
+
+
+def test_partition_options_choose_queue_and_sampling(fleet: Fleet, redis_client: redis.Redis):
+    fleet.write_partition("B3_long", [{"prompt": "think hard"}])
+    fleet.write_partition("plain", [{"prompt": "hi"}])
+    (fleet.data_dir / "partitions.toml").write_text('[B3_long]\nqueue = "long"\nmax_new_tokens = 777\ntop_k = 5\n')
+    fleet.producer("enqueue", "--partition", "all")
+    assert queued(redis_client, "long") == [job_id("B3_long", 0)]
+    assert queued(redis_client, "short") == [job_id("plain", 0)]
+    params = job_kwargs(redis_client, job_id("B3_long", 0))["sampling_params"]
+    assert params["max_new_tokens"] == 777 and params["top_k"] == 5
+
+
+def test_bad_options_and_unknown_partitions_fail_with_one_line(fleet: Fleet):
+    fleet.write_partition("p", [{"prompt": "hi"}])
+    (fleet.data_dir / "partitions.toml").write_text('[p]\nqueue = "medium"\n')
+    result = fleet.producer("enqueue", check=False)
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0
+    assert "partitions.toml: [p] queue" in result.stderr
+
+    (fleet.data_dir / "partitions.toml").unlink()
+    result = fleet.producer("enqueue", "--partition", "nope", check=False)
+    assert result.returncode == 2 and "unknown partition(s) nope" in result.stderr and "available: p" in result.stderr
+
+
+def test_bad_setting_fails_naming_the_variable(fleet: Fleet):
+    fleet.env["FLEET_SHORT_CONCURRENCY"] = "-3"
+    result = fleet.producer("enqueue", check=False)
+    assert result.returncode != 0
+    assert "FLEET_SHORT_CONCURRENCY" in result.stderr and result.stderr.strip().count("\n") == 0
