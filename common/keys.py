@@ -12,7 +12,11 @@ JOB_FUNCTION = "worker.jobs.generate"
 
 PREFIX = "fleet"
 DUPLICATES_KEY = f"{PREFIX}:stats:duplicates"
-HEALTH_KEY = f"{PREFIX}:health"
+# A stream with one entry per committed sample (field `tokens`), capped, for throughput over recent minutes.
+COMPLETIONS_KEY = f"{PREFIX}:completions"
+COMPLETIONS_MAXLEN = 200_000
+# A hash of running totals: `samples`, `tokens`, and `first_at` (UNIX time of the first commit).
+TOTALS_KEY = f"{PREFIX}:stats:totals"
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
 
@@ -37,6 +41,11 @@ def job_id(partition: str, sample_id: str | int) -> str:
 def generation_lock_key(job: str) -> str:
     """Held while a worker generates a sample, so that two workers never generate it at once."""
     return f"{PREFIX}:lock:{job}"
+
+
+def worker_state_key(worker_name: str) -> str:
+    """A FleetWorker's own report, refreshed by its heartbeat and expiring with it (see worker.fleet)."""
+    return f"{PREFIX}:worker:{worker_name}"
 
 
 def partition_key(partition: str) -> str:

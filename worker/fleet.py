@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+import orjson
 from pydantic import ValidationError
 from rq import Queue, Worker
 from rq.exceptions import DeserializationError, NoSuchJobError
@@ -34,7 +35,7 @@ from rq.logutils import setup_loghandlers
 from rq.registry import StartedJobRegistry
 from rq.serializers import JSONSerializer
 
-from common.keys import JOB_FUNCTION, PREFIX
+from common.keys import JOB_FUNCTION, PREFIX, worker_state_key
 from common.records import GenerationJob
 from common.settings import Settings, get_settings
 from common.store import OutputStore
@@ -315,8 +316,33 @@ class FleetWorker(Worker):
             self.set_state("busy" if self.in_flight else "idle", pipeline=pipeline)
             for entry in list(self.in_flight.values()):
                 pipeline.zadd(entry.queue.started_job_registry.key, {entry.registry_entry: expiry})
+            pipeline.set(worker_state_key(self.name), orjson.dumps(self.report()), ex=self.settings.lease_ttl)
             pipeline.execute()
         self.generator.renew_locks()
+
+    def report(self) -> dict[str, Any]:
+        """What status tooling shows of this worker: jobs in flight per queue and what it sees of the servers."""
+        in_flight = {queue.name: 0 for queue in self.queues}
+        for entry in list(self.in_flight.values()):
+            in_flight[entry.queue.name] += 1
+        return {
+            "name": self.name,
+            "host": self.hostname,
+            "pid": self.pid,
+            "queues": [queue.name for queue in self.queues],
+            "in_flight": in_flight,
+            "slots": {queue.name: self.settings.concurrency(queue.name) for queue in self.queues},
+            "servers": [
+                {
+                    "url": server.url,
+                    "healthy": server.healthy,
+                    "in_flight": server.in_flight,
+                    "down_since": server.down_since,
+                }
+                for server in self.client.servers
+            ],
+            "heartbeat_at": time.time(),
+        }
 
     async def _maintenance(self) -> None:
         """Requeue jobs whose worker died, through RQ's own StartedJobRegistry.cleanup."""
