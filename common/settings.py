@@ -50,6 +50,44 @@ class Settings(BaseSettings):
     # Finished jobs stay in Redis this long; the output store, not Redis, keeps the results.
     result_ttl: int = Field(600, ge=0)
 
+    # The SGLang server run by `python -m server plan | launch | supervise` (docs/server.md).
+    # A local model directory: the plan reads its config.json and weight index.
+    model_path: str = ""
+    tp: int = Field(1, gt=0)
+    mem_fraction_static: float = Field(0.88, gt=0, lt=1)
+    kv_cache_dtype: str = Field("auto", pattern="^(auto|bf16|fp8_e4m3|fp8_e5m2)$")
+    # GB (10^9 bytes) of host memory PER TP RANK, as SGLang reads --hicache-size: 48 at TP 8 is 384 GB.
+    hicache_size: int = Field(0, ge=0)
+    # Used when hicache_size is 0: host cache = GPU KV cache x this; both 0 turn the hierarchical cache off.
+    hicache_ratio: float = Field(0.0, ge=0)
+    # SGLang's --context-length; unset, SGLang takes the model's.
+    server_context_length: int | None = Field(None, gt=0)
+    server_host: str = "127.0.0.1"
+    server_port: int = Field(30000, gt=0, lt=65536)
+    # Further SGLang flags, shell-quoted, e.g. "--trust-remote-code --reasoning-parser kimi_k2".
+    server_args: str = ""
+    # Replaces the whole SGLang command (stand-ins for tests): {host}, {port} and {mem_fraction_static}
+    # are filled in. Such a command is not SGLang, so it is not planned.
+    server_command: str = ""
+    server_log: Path = Path("run/sglang.log")
+    # Per-GPU planning assumptions in GiB (server/capacity.py `Assumptions` says where they come from).
+    cuda_context_gb: float = Field(2.4, ge=0)
+    runtime_overhead_gb: float = Field(5.7, ge=0)
+    min_headroom_gb: float = Field(4.0, ge=0)
+    # Supervision: seconds to first health, between health checks, and of failed checks before a restart.
+    startup_timeout: float = Field(1800.0, gt=0)
+    health_interval: float = Field(5.0, gt=0)
+    unhealthy_after: float = Field(60.0, gt=0)
+    restart_backoff: float = Field(5.0, ge=0)
+    restart_backoff_max: float = Field(300.0, ge=0)
+    # After an out-of-memory crash mem_fraction_static drops by oom_step, never below mem_fraction_floor.
+    oom_step: float = Field(0.02, gt=0, lt=1)
+    mem_fraction_floor: float = Field(0.80, gt=0, lt=1)
+    # How long to wait for leftover processes to release GPU memory before refusing to (re)launch.
+    gpu_free_timeout: float = Field(120.0, ge=0)
+    # A JSON file standing in for NVML (server/gpu.py); unset, NVML is asked.
+    gpu_probe_file: Path | None = None
+
     @field_validator("sglang_url", mode="before")
     @classmethod
     def _split_urls(cls, value: Any) -> Any:

@@ -8,6 +8,9 @@ import sys
 
 COMMANDS = {
     "simulate": "server.simulator",
+    "plan": "server.plan",
+    "launch": "server.launch",
+    "supervise": "server.supervise",
 }
 
 
