@@ -33,8 +33,12 @@ class Settings(BaseSettings):
     top_k: int = -1
     min_p: float = Field(0.0, ge=0, le=1)
 
+    # Jobs in flight per queue across the whole fleet: every worker process on every host together.
     short_concurrency: int = Field(150, gt=0)
     long_concurrency: int = Field(32, gt=0)
+    # A smaller limit for one worker process within the fleet cap; unset, one process may take the whole cap.
+    worker_short_concurrency: int | None = Field(None, gt=0)
+    worker_long_concurrency: int | None = Field(None, gt=0)
 
     # A worker's in-flight jobs are leased for `lease_ttl` seconds and renewed every `heartbeat_interval`;
     # a worker killed with SIGKILL loses its leases and its jobs are requeued by any live worker.
@@ -112,6 +116,10 @@ class Settings(BaseSettings):
 
     def concurrency(self, queue: str) -> int:
         return self.long_concurrency if queue == "long" else self.short_concurrency
+
+    def worker_concurrency(self, queue: str) -> int:
+        bound = self.worker_long_concurrency if queue == "long" else self.worker_short_concurrency
+        return min(bound or self.concurrency(queue), self.concurrency(queue))
 
     def sampling_defaults(self) -> dict[str, Any]:
         return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p}

@@ -50,10 +50,16 @@ POLL_INTERVAL = 0.2
 MAINTENANCE_LOCK = f"{PREFIX}:maintenance"
 
 # Pop the next job that is really waiting and mark it started, in one atomic step, so that no job is
-# ever popped without being listed as started. An ID whose job is missing, or no longer `queued`
-# (pushed twice, finished or canceled meanwhile), is dropped.
-# KEYS: queue list, started registry. ARGV: lease expiry, worker name, now, job key prefix, execution ID.
+# ever popped without being listed as started. The queue's StartedJobRegistry doubles as the fleet-wide
+# semaphore: its entries with an unexpired lease are the jobs in flight in every worker on every host,
+# so nothing is claimed once they reach the cap, and a dead worker's slots free up as its leases lapse.
+# An ID whose job is missing, or no longer `queued` (pushed twice, finished or canceled meanwhile), is
+# dropped. KEYS: queue list, started registry.
+# ARGV: lease expiry, worker name, RQ timestamp, job key prefix, execution ID, now, fleet cap.
 CLAIM_SCRIPT = """
+if redis.call('ZCOUNT', KEYS[2], ARGV[6], '+inf') >= tonumber(ARGV[7]) then
+    return false
+end
 while true do
     local job_id = redis.call('LPOP', KEYS[1])
     if not job_id then
@@ -120,7 +126,7 @@ class FleetWorker(Worker):
     def slots(self, queue: Queue) -> int:
         """How many more jobs of `queue` this worker may start now."""
         running = sum(1 for entry in self.in_flight.values() if entry.queue.name == queue.name)
-        return self.settings.concurrency(queue.name) - running
+        return self.settings.worker_concurrency(queue.name) - running
 
     # The main loop.
 
@@ -180,9 +186,11 @@ class FleetWorker(Worker):
         return claimed
 
     def _claim_one(self, entry: InFlight) -> str | None:
-        expiry = time.time() + self.settings.lease_ttl
+        now = time.time()
         stamp = _rq_time(entry.started_at)
-        args = [expiry, self.name, stamp, Job.redis_job_namespace_prefix, entry.execution_id]
+        cap = self.settings.concurrency(entry.queue.name)
+        args = [now + self.settings.lease_ttl, self.name, stamp, Job.redis_job_namespace_prefix, entry.execution_id]
+        args += [now, cap]
         job_id = self._claim(keys=[entry.queue.key, entry.queue.started_job_registry.key], args=args)
         return job_id.decode() if job_id else None
 
@@ -207,6 +215,7 @@ class FleetWorker(Worker):
             await call_redis(self._record_failure, job, entry, failure)
         else:
             await call_redis(self._record_success, job, entry, result)
+            log.info("%s: %s done %s", entry.queue.name, job.id, result)
         self._done(entry)
 
     def _arguments(self, job: Job) -> GenerationJob:
@@ -331,7 +340,7 @@ class FleetWorker(Worker):
             "pid": self.pid,
             "queues": [queue.name for queue in self.queues],
             "in_flight": in_flight,
-            "slots": {queue.name: self.settings.concurrency(queue.name) for queue in self.queues},
+            "slots": {queue.name: self.settings.worker_concurrency(queue.name) for queue in self.queues},
             "servers": [
                 {
                     "url": server.url,
@@ -359,7 +368,8 @@ class FleetWorker(Worker):
             StartedJobRegistry(queue.name, connection=self.connection, serializer=JSONSerializer).cleanup()
 
     def _slot_summary(self) -> str:
-        return ", ".join(f"{queue.name} x{self.settings.concurrency(queue.name)}" for queue in self.queues)
+        limits = self.settings.worker_concurrency, self.settings.concurrency
+        return ", ".join(f"{q.name} x{limits[0](q.name)} (fleet cap {limits[1](q.name)})" for q in self.queues)
 
 
 class _Refused(Exception):
