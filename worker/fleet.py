@@ -29,13 +29,13 @@ from typing import Any
 import orjson
 from pydantic import ValidationError
 from rq import Queue, Worker
-from rq.exceptions import DeserializationError, NoSuchJobError
+from rq.exceptions import DeserializationError
 from rq.job import Job, JobStatus
 from rq.logutils import setup_loghandlers
 from rq.registry import StartedJobRegistry
 from rq.serializers import JSONSerializer
 
-from common.keys import JOB_FUNCTION, PREFIX, worker_state_key
+from common.keys import COMPLETIONS_KEY, COMPLETIONS_MAXLEN, JOB_FUNCTION, PREFIX, TOTALS_KEY, worker_state_key
 from common.records import GenerationJob
 from common.settings import Settings, get_settings
 from common.store import OutputStore
@@ -54,7 +54,8 @@ MAINTENANCE_LOCK = f"{PREFIX}:maintenance"
 # semaphore: its entries with an unexpired lease are the jobs in flight in every worker on every host,
 # so nothing is claimed once they reach the cap, and a dead worker's slots free up as its leases lapse.
 # An ID whose job is missing, or no longer `queued` (pushed twice, finished or canceled meanwhile), is
-# dropped. KEYS: queue list, started registry.
+# dropped. Returns the job ID followed by the job hash, so that no second round trip fetches it.
+# KEYS: queue list, started registry.
 # ARGV: lease expiry, worker name, RQ timestamp, job key prefix, execution ID, now, fleet cap.
 CLAIM_SCRIPT = """
 if redis.call('ZCOUNT', KEYS[2], ARGV[6], '+inf') >= tonumber(ARGV[7]) then
@@ -70,7 +71,9 @@ while true do
         redis.call('HSET', job_key, 'status', 'started', 'worker_name', ARGV[2],
                    'started_at', ARGV[3], 'last_heartbeat', ARGV[3])
         redis.call('ZADD', KEYS[2], ARGV[1], job_id .. ':' .. ARGV[5])
-        return job_id
+        local job = redis.call('HGETALL', job_key)
+        table.insert(job, 1, job_id)
+        return job
     end
 end
 """
@@ -113,6 +116,7 @@ class FleetWorker(Worker):
         self.settings: Settings = get_settings()
         self.worker_ttl = self.settings.lease_ttl
         self.in_flight: dict[str, InFlight] = {}
+        self.running = {queue.name: 0 for queue in self.queues}
         self._claim = self.connection.register_script(CLAIM_SCRIPT)
         self._requeue = self.connection.register_script(REQUEUE_SCRIPT)
 
@@ -125,8 +129,7 @@ class FleetWorker(Worker):
 
     def slots(self, queue: Queue) -> int:
         """How many more jobs of `queue` this worker may start now."""
-        running = sum(1 for entry in self.in_flight.values() if entry.queue.name == queue.name)
-        return self.settings.worker_concurrency(queue.name) - running
+        return self.settings.worker_concurrency(queue.name) - self.running[queue.name]
 
     # The main loop.
 
@@ -176,32 +179,33 @@ class FleetWorker(Worker):
         for queue in self.queues:
             while self.slots(queue) > 0 and not self._stop.is_set():
                 entry = InFlight("", queue)
-                job_id = await call_redis(self._claim_one, entry)
-                if job_id is None:
+                job = await call_redis(self._claim_one, entry)
+                if job is None:
                     break
-                entry.job_id = job_id
-                self.in_flight[job_id] = entry
-                entry.task = asyncio.create_task(self._perform(entry))
+                entry.job_id = job.id
+                self.in_flight[job.id] = entry
+                self.running[queue.name] += 1
+                entry.task = asyncio.create_task(self._perform(job, entry))
                 claimed += 1
         return claimed
 
-    def _claim_one(self, entry: InFlight) -> str | None:
+    def _claim_one(self, entry: InFlight) -> Job | None:
         now = time.time()
         stamp = _rq_time(entry.started_at)
         cap = self.settings.concurrency(entry.queue.name)
         args = [now + self.settings.lease_ttl, self.name, stamp, Job.redis_job_namespace_prefix, entry.execution_id]
         args += [now, cap]
-        job_id = self._claim(keys=[entry.queue.key, entry.queue.started_job_registry.key], args=args)
-        return job_id.decode() if job_id else None
+        reply = self._claim(keys=[entry.queue.key, entry.queue.started_job_registry.key], args=args)
+        if not reply:
+            return None
+        job_id, *fields = reply
+        job = Job(job_id.decode(), connection=self.connection, serializer=JSONSerializer)
+        job.restore(dict(zip(fields[::2], fields[1::2], strict=True)))
+        return job
 
     # One job.
 
-    async def _perform(self, entry: InFlight) -> None:
-        try:
-            job = await call_redis(Job.fetch, entry.job_id, connection=self.connection, serializer=JSONSerializer)
-        except NoSuchJobError:
-            await call_redis(self._requeue_entry, entry)
-            return self._done(entry)
+    async def _perform(self, job: Job, entry: InFlight) -> None:
         try:
             arguments = self._arguments(job)
             result = await self.generator.run(job.id, arguments)
@@ -232,7 +236,8 @@ class FleetWorker(Worker):
             raise _Refused(f"Refused: bad job arguments: {error}") from error
 
     def _done(self, entry: InFlight) -> None:
-        self.in_flight.pop(entry.job_id, None)
+        if self.in_flight.pop(entry.job_id, None) is not None:
+            self.running[entry.queue.name] -= 1
         self._slot_freed.set()
 
     def _record_success(self, job: Job, entry: InFlight, result: dict[str, Any]) -> None:
@@ -251,6 +256,13 @@ class FleetWorker(Worker):
             )
             job.cleanup(ttl, pipeline=pipeline, remove_from_queue=False)
             pipeline.zrem(entry.queue.started_job_registry.key, entry.registry_entry)
+            if result.get("committed"):
+                # Throughput figures for `python -m producer status`.
+                tokens = result["completion_tokens"]
+                pipeline.xadd(COMPLETIONS_KEY, {"tokens": tokens}, maxlen=COMPLETIONS_MAXLEN, approximate=True)
+                pipeline.hincrby(TOTALS_KEY, "samples", 1)
+                pipeline.hincrby(TOTALS_KEY, "tokens", tokens)
+                pipeline.hsetnx(TOTALS_KEY, "first_at", time.time())
             self.increment_successful_job_count(pipeline=pipeline)
             self.increment_total_working_time(job.ended_at - job.started_at, pipeline)
             pipeline.execute()
@@ -331,15 +343,12 @@ class FleetWorker(Worker):
 
     def report(self) -> dict[str, Any]:
         """What status tooling shows of this worker: jobs in flight per queue and what it sees of the servers."""
-        in_flight = {queue.name: 0 for queue in self.queues}
-        for entry in list(self.in_flight.values()):
-            in_flight[entry.queue.name] += 1
         return {
             "name": self.name,
             "host": self.hostname,
             "pid": self.pid,
             "queues": [queue.name for queue in self.queues],
-            "in_flight": in_flight,
+            "in_flight": dict(self.running),
             "slots": {queue.name: self.settings.worker_concurrency(queue.name) for queue in self.queues},
             "servers": [
                 {

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from typing import Any
 
 from redis import Redis
 
-from common.keys import COMPLETIONS_KEY, COMPLETIONS_MAXLEN, DUPLICATES_KEY, TOTALS_KEY, generation_lock_key
+from common.keys import DUPLICATES_KEY, generation_lock_key
 from common.records import GenerationJob, OutputRecord
 from common.settings import Settings
 from common.store import OutputStore
@@ -76,9 +75,7 @@ class Generator:
                 server=generated.server,
             )
             committed = await asyncio.to_thread(self.store.commit, record)
-            if committed:
-                await call_redis(self._count_completion, record.completion_tokens)
-            else:
+            if not committed:
                 log.warning("discarded a duplicate output for %s", job_id)
                 await call_redis(self.connection.incr, DUPLICATES_KEY)
             return {
@@ -88,15 +85,6 @@ class Generator:
             }
         finally:
             await self._release_lock(lock)
-
-    def _count_completion(self, tokens: int) -> None:
-        """Feed the throughput figures of `python -m producer status`."""
-        with self.connection.pipeline(transaction=False) as pipeline:
-            pipeline.xadd(COMPLETIONS_KEY, {"tokens": tokens}, maxlen=COMPLETIONS_MAXLEN, approximate=True)
-            pipeline.hincrby(TOTALS_KEY, "samples", 1)
-            pipeline.hincrby(TOTALS_KEY, "tokens", tokens)
-            pipeline.hsetnx(TOTALS_KEY, "first_at", time.time())
-            pipeline.execute()
 
     async def _generate(self, job: GenerationJob) -> Generated:
         failures = 0
