@@ -38,9 +38,12 @@ def job_id(partition: str, sample_id: str | int) -> str:
     return f"{readable}--{digest}"
 
 
+# Held while a worker generates a sample, so that two workers never generate it at once.
+LOCK_PREFIX = f"{PREFIX}:lock:"
+
+
 def generation_lock_key(job: str) -> str:
-    """Held while a worker generates a sample, so that two workers never generate it at once."""
-    return f"{PREFIX}:lock:{job}"
+    return f"{LOCK_PREFIX}{job}"
 
 
 def worker_state_key(worker_name: str) -> str:
@@ -56,3 +59,8 @@ def partition_key(partition: str) -> str:
 def server_metrics_key(url: str) -> str:
     """A hash of the latest metrics of one SGLang server (parsed from its log by the supervisor)."""
     return f"{PREFIX}:server:{url}"
+
+
+def job_id_prefix(partition: str) -> str:
+    """How every `job_id` of `partition` begins. Prefixes of different partitions can overlap ("a", "a--b")."""
+    return _UNSAFE.sub("_", f"{partition}--")[:80]

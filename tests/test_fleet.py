@@ -24,7 +24,6 @@ def test_two_workers_never_exceed_the_fleet_cap(fleet: Fleet, start_simulator: S
     stats = simulator.stats()
     # Both processes could each hold 15; together they hold the fleet's 12 + 3, and use all of it.
     assert stats["peak_in_flight"] == 15
-    assert all("done" in worker.output() for worker in workers)
     assert_exactly_once(fleet, "p", [f"p-{n}" for n in range(90)])
     assert_exactly_once(fleet, "q", [f"q-{n}" for n in range(30)])
 

@@ -33,9 +33,19 @@ from rq.exceptions import DeserializationError
 from rq.job import Job, JobStatus
 from rq.logutils import setup_loghandlers
 from rq.registry import StartedJobRegistry
+from rq.results import Result
 from rq.serializers import JSONSerializer
 
-from common.keys import COMPLETIONS_KEY, COMPLETIONS_MAXLEN, JOB_FUNCTION, PREFIX, TOTALS_KEY, worker_state_key
+from common.keys import (
+    COMPLETIONS_KEY,
+    COMPLETIONS_MAXLEN,
+    JOB_FUNCTION,
+    LOCK_PREFIX,
+    PREFIX,
+    TOTALS_KEY,
+    generation_lock_key,
+    worker_state_key,
+)
 from common.records import GenerationJob
 from common.settings import Settings, get_settings
 from common.store import OutputStore
@@ -54,9 +64,11 @@ MAINTENANCE_LOCK = f"{PREFIX}:maintenance"
 # semaphore: its entries with an unexpired lease are the jobs in flight in every worker on every host,
 # so nothing is claimed once they reach the cap, and a dead worker's slots free up as its leases lapse.
 # An ID whose job is missing, or no longer `queued` (pushed twice, finished or canceled meanwhile), is
-# dropped. Returns the job ID followed by the job hash, so that no second round trip fetches it.
+# dropped. It also takes the sample's generation lock when free. Returns the job ID, 1 if the lock was
+# taken, then the job hash, so that no second round trip fetches it.
 # KEYS: queue list, started registry.
-# ARGV: lease expiry, worker name, RQ timestamp, job key prefix, execution ID, now, fleet cap.
+# ARGV: lease expiry, worker name, RQ timestamp, job key prefix, execution ID, now, fleet cap,
+#       lock key prefix, lease in milliseconds.
 CLAIM_SCRIPT = """
 if redis.call('ZCOUNT', KEYS[2], ARGV[6], '+inf') >= tonumber(ARGV[7]) then
     return false
@@ -71,7 +83,9 @@ while true do
         redis.call('HSET', job_key, 'status', 'started', 'worker_name', ARGV[2],
                    'started_at', ARGV[3], 'last_heartbeat', ARGV[3])
         redis.call('ZADD', KEYS[2], ARGV[1], job_id .. ':' .. ARGV[5])
+        local locked = redis.call('SET', ARGV[8] .. job_id, ARGV[2], 'NX', 'PX', ARGV[9]) and 1 or 0
         local job = redis.call('HGETALL', job_key)
+        table.insert(job, 1, locked)
         table.insert(job, 1, job_id)
         return job
     end
@@ -91,6 +105,23 @@ return 0
 """
 
 
+# Renew a generation lock if it is ours or has lapsed (e.g. Redis lost it); never take one held by another.
+# KEYS: the lock. ARGV: worker name, lease in milliseconds.
+RENEW_LOCK_SCRIPT = """
+local holder = redis.call('GET', KEYS[1])
+if holder == false or holder == ARGV[1] then
+    return redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+end
+return false
+"""
+RELEASE_LOCK_SCRIPT = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+    return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
+
 @dataclass
 class InFlight:
     job_id: str
@@ -98,10 +129,15 @@ class InFlight:
     execution_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     started_at: datetime = field(default_factory=lambda: datetime.now(UTC))
     task: asyncio.Task[None] | None = None
+    locked: bool = False
 
     @property
     def registry_entry(self) -> str:
         return f"{self.job_id}:{self.execution_id}"
+
+    @property
+    def lock(self) -> str:
+        return generation_lock_key(self.job_id)
 
 
 class FleetWorker(Worker):
@@ -119,6 +155,8 @@ class FleetWorker(Worker):
         self.running = {queue.name: 0 for queue in self.queues}
         self._claim = self.connection.register_script(CLAIM_SCRIPT)
         self._requeue = self.connection.register_script(REQUEUE_SCRIPT)
+        self._renew_lock = self.connection.register_script(RENEW_LOCK_SCRIPT)
+        self._release_lock = self.connection.register_script(RELEASE_LOCK_SCRIPT)
 
     def work(self, burst: bool = False, logging_level: str | None = None, *args: Any, **kwargs: Any) -> bool:
         date_format = kwargs.get("date_format") or "%H:%M:%S"
@@ -142,9 +180,7 @@ class FleetWorker(Worker):
             loop.add_signal_handler(signum, self._request_stop)
 
         self.client = SGLangClient(self.settings)
-        self.generator = Generator(
-            self.settings, self.connection, OutputStore(self.settings.samples_dir), self.client, self.name
-        )
+        self.generator = Generator(self.settings, self.connection, OutputStore(self.settings.samples_dir), self.client)
         await self.client.start()
         await call_redis(self.register_birth)
         log.info("FleetWorker %s: queues %s", self.name, self._slot_summary())
@@ -194,11 +230,12 @@ class FleetWorker(Worker):
         stamp = _rq_time(entry.started_at)
         cap = self.settings.concurrency(entry.queue.name)
         args = [now + self.settings.lease_ttl, self.name, stamp, Job.redis_job_namespace_prefix, entry.execution_id]
-        args += [now, cap]
+        args += [now, cap, LOCK_PREFIX, self.settings.lease_ttl * 1000]
         reply = self._claim(keys=[entry.queue.key, entry.queue.started_job_registry.key], args=args)
         if not reply:
             return None
-        job_id, *fields = reply
+        job_id, locked, *fields = reply
+        entry.locked = bool(locked)
         job = Job(job_id.decode(), connection=self.connection, serializer=JSONSerializer)
         job.restore(dict(zip(fields[::2], fields[1::2], strict=True)))
         return job
@@ -208,6 +245,11 @@ class FleetWorker(Worker):
     async def _perform(self, job: Job, entry: InFlight) -> None:
         try:
             arguments = self._arguments(job)
+            while not entry.locked:
+                # Another worker is generating this sample (a copy of its job survived a Redis restart, say):
+                # wait for it, then find the output committed and skip.
+                await asyncio.sleep(self.settings.heartbeat_interval)
+                entry.locked = await call_redis(self._take_lock, entry)
             result = await self.generator.run(job.id, arguments)
         except asyncio.CancelledError:
             raise  # the drain puts the job back in its queue
@@ -235,27 +277,36 @@ class FleetWorker(Worker):
         except ValidationError as error:
             raise _Refused(f"Refused: bad job arguments: {error}") from error
 
+    def _take_lock(self, entry: InFlight) -> bool:
+        return bool(self.connection.set(entry.lock, self.name, nx=True, px=self.settings.lease_ttl * 1000))
+
     def _done(self, entry: InFlight) -> None:
         if self.in_flight.pop(entry.job_id, None) is not None:
             self.running[entry.queue.name] -= 1
         self._slot_freed.set()
 
     def _record_success(self, job: Job, entry: InFlight, result: dict[str, Any]) -> None:
-        job._result = result
-        job.started_at = entry.started_at
-        job.ended_at = datetime.now(UTC)
+        ended_at = datetime.now(UTC)
         ttl = self.settings.result_ttl
         with self.connection.pipeline() as pipeline:
-            job._handle_success(
+            # What RQ's Job._handle_success does, less re-saving the whole job: its input_ids are unchanged.
+            job.set_status(JobStatus.FINISHED, pipeline=pipeline)
+            pipeline.hset(job.key, "ended_at", _rq_time(ended_at))
+            Result.create(
+                job,
+                Result.Type.SUCCESSFUL,
                 ttl,
-                pipeline=pipeline,
+                return_value=result,
                 worker_name=self.name,
+                pipeline=pipeline,
                 execution_id=entry.execution_id,
                 execution_started_at=entry.started_at,
-                execution_ended_at=job.ended_at,
+                execution_ended_at=ended_at,
             )
+            job.finished_job_registry.add(job, ttl, pipeline)
             job.cleanup(ttl, pipeline=pipeline, remove_from_queue=False)
             pipeline.zrem(entry.queue.started_job_registry.key, entry.registry_entry)
+            self._release_lock(keys=[entry.lock], args=[self.name], client=pipeline)
             if result.get("committed"):
                 # Throughput figures for `python -m producer status`.
                 tokens = result["completion_tokens"]
@@ -264,7 +315,7 @@ class FleetWorker(Worker):
                 pipeline.hincrby(TOTALS_KEY, "tokens", tokens)
                 pipeline.hsetnx(TOTALS_KEY, "first_at", time.time())
             self.increment_successful_job_count(pipeline=pipeline)
-            self.increment_total_working_time(job.ended_at - job.started_at, pipeline)
+            self.increment_total_working_time(ended_at - entry.started_at, pipeline)
             pipeline.execute()
 
     def _record_failure(self, job: Job, entry: InFlight, failure: str) -> None:
@@ -281,12 +332,18 @@ class FleetWorker(Worker):
                 execution_ended_at=job.ended_at,
             )
             pipeline.zrem(entry.queue.started_job_registry.key, entry.registry_entry)
+            self._release_lock(keys=[entry.lock], args=[self.name], client=pipeline)
             self.increment_failed_job_count(pipeline)
             pipeline.execute()
 
     def _requeue_entry(self, entry: InFlight) -> None:
         keys = [entry.queue.started_job_registry.key, entry.queue.key, Job.key_for(entry.job_id)]
-        self._requeue(keys=keys, args=[entry.registry_entry, entry.job_id, _rq_time(datetime.now(UTC))])
+        with self.connection.pipeline() as pipeline:
+            self._requeue(
+                keys=keys, args=[entry.registry_entry, entry.job_id, _rq_time(datetime.now(UTC))], client=pipeline
+            )
+            self._release_lock(keys=[entry.lock], args=[self.name], client=pipeline)
+            pipeline.execute()
 
     # Stopping.
 
@@ -332,14 +389,16 @@ class FleetWorker(Worker):
             # Redis lost our registration (restarted or flushed): register again.
             self.register_birth()
         expiry = time.time() + self.settings.lease_ttl
+        lease_ms = self.settings.lease_ttl * 1000
         with self.connection.pipeline(transaction=False) as pipeline:
             self.heartbeat(self.settings.lease_ttl + int(self.settings.heartbeat_interval), pipeline=pipeline)
             self.set_state("busy" if self.in_flight else "idle", pipeline=pipeline)
             for entry in list(self.in_flight.values()):
                 pipeline.zadd(entry.queue.started_job_registry.key, {entry.registry_entry: expiry})
+                if entry.locked:
+                    self._renew_lock(keys=[entry.lock], args=[self.name, lease_ms], client=pipeline)
             pipeline.set(worker_state_key(self.name), orjson.dumps(self.report()), ex=self.settings.lease_ttl)
             pipeline.execute()
-        self.generator.renew_locks()
 
     def report(self) -> dict[str, Any]:
         """What status tooling shows of this worker: jobs in flight per queue and what it sees of the servers."""
