@@ -1,21 +1,28 @@
-"""`python -m producer`: enqueue partitions, export the dataset."""
+"""`python -m producer`: enqueue partitions, watch the run, retry or cancel jobs, export and verify the dataset."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
+
+import orjson
+import redis
 
 from common.connection import RedisUnavailable, connect
 from common.settings import get_settings
 from common.store import OutputStore
-from producer.enqueue import Enqueuer, PartitionSummary
-from producer.export import export_partition
 from producer.partitions import PartitionError, load_partitions
-from producer.tokenizer import ChatTokenizer
+
+# Commands that tokenize import transformers (a second or two) when they run, so that status,
+# retry-failed and cancel answer at once.
 
 
 def enqueue(args: argparse.Namespace) -> int:
+    from producer.enqueue import Enqueuer, PartitionSummary
+    from producer.tokenizer import ChatTokenizer
+
     settings = get_settings()
     partitions = load_partitions(settings.data_dir, args.partition)
     enqueuer = Enqueuer(
@@ -47,22 +54,109 @@ def enqueue(args: argparse.Namespace) -> int:
     return 0
 
 
+def status(args: argparse.Namespace) -> int:
+    from producer.status import collect_status
+    from producer.status_view import render
+
+    settings = get_settings()
+    connection = connect(settings)
+    store = OutputStore(settings.samples_dir)
+    while True:
+        snapshot = collect_status(connection, settings, store)
+        if args.json:
+            output = orjson.dumps(snapshot.to_json(), option=orjson.OPT_INDENT_2).decode()
+        else:
+            output = render(snapshot)
+        if args.watch is None:
+            print(output)
+            return 0
+        # Home, clear to the end, redraw: the screen refreshes in place.
+        sys.stdout.write("\x1b[H\x1b[J" + output + "\n")
+        sys.stdout.flush()
+        time.sleep(args.watch)
+
+
+def retry_failed(args: argparse.Namespace) -> int:
+    from producer.failed import retry_failed as retry
+
+    settings = get_settings()
+    summary = retry(connect(settings), OutputStore(settings.samples_dir), args.partition, args.cause)
+    per_partition = ", ".join(f"{name}: {count}" for name, count in sorted(summary.retried.items()))
+    print(f"requeued {summary.retried.total()} failed jobs" + (f" ({per_partition})" if per_partition else ""))
+    if summary.already_done:
+        print(f"deleted {summary.already_done} failed jobs whose sample was committed meanwhile")
+    if summary.gone:
+        print(f"dropped {summary.gone} failed-registry entries whose job had expired from Redis")
+    if summary.left:
+        print(f"left {summary.left} failed jobs that --partition or --cause did not select")
+    return 0
+
+
+def cancel(args: argparse.Namespace) -> int:
+    from producer.cancel import cancel_queued
+    from producer.census import PartitionResolver, take_census
+
+    settings = get_settings()
+    connection = connect(settings)
+    canceled = cancel_queued(connection, args.partition)
+    seconds, _ = connection.time()
+    census = take_census(connection, PartitionResolver(connection, args.partition), seconds, 0, settings.result_ttl)
+    for name in args.partition:
+        print(
+            f"{name}: canceled {canceled[name]} queued jobs; {len(census.in_flight[name])} in flight will finish"
+            f" (`python -m producer enqueue --partition {name}` queues the rest again)"
+        )
+    return 0
+
+
 def export(args: argparse.Namespace) -> int:
+    from producer.export import export_partition
+    from producer.manifest import write_manifest
+    from producer.sharegpt import AssistantFormat
+    from producer.tokenizer import ChatTokenizer
+
     settings = get_settings()
     store = OutputStore(settings.samples_dir)
+    tokenizer = ChatTokenizer(settings.tokenizer)
+    sharegpt = AssistantFormat.of(tokenizer) if args.format == "sharegpt" else None
     incomplete = False
+    summaries = []
     for partition in load_partitions(settings.data_dir, args.partition):
-        summary = export_partition(settings, store, partition, args.out)
+        summary = export_partition(settings, store, partition, args.out, sharegpt)
+        summaries.append(summary)
         line = f"{partition.name}: {summary.exported} records -> {summary.path}"
         if summary.missing:
             incomplete = True
             shown = ", ".join(map(str, summary.missing[:10]))
             more = f" and {len(summary.missing) - 10} more" if len(summary.missing) > 10 else ""
             line += f"; {len(summary.missing)} missing: {shown}{more}"
+        if summary.skipped:
+            line += f"; {summary.skipped} input_ids-only prompts skipped (no turns to show; --format raw has them)"
         if summary.rejected:
             line += f"; {summary.rejected} rejected at enqueue"
         print(line)
+    tokenizer_info = {"name": tokenizer.name, "sha256": tokenizer.digest()}
+    print(f"manifest -> {write_manifest(args.out, args.format, tokenizer_info, summaries)}")
     return 1 if incomplete and args.strict else 0
+
+
+def verify(args: argparse.Namespace) -> int:
+    from producer.tokenizer import ChatTokenizer
+    from producer.verify import Verifier, render
+
+    settings = get_settings()
+    store = OutputStore(settings.samples_dir)
+    partitions = load_partitions(settings.data_dir, args.partition)
+    verifier = Verifier(settings, store, ChatTokenizer(settings.tokenizer))
+    for partition in partitions:
+        verifier.partition(partition)
+    if args.partition == ["all"]:
+        for name in sorted(set(store.partitions()) - {partition.name for partition in partitions}):
+            verifier.foreign(name)
+    if args.export is not None:
+        verifier.export(args.export, partitions)
+    print(render(verifier.report, len(partitions), args.show))
+    return 1 if verifier.report.problems else 0
 
 
 def _row(cells: tuple[object, ...]) -> str:
@@ -73,17 +167,41 @@ def _row(cells: tuple[object, ...]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m producer")
     commands = parser.add_subparsers(dest="command", required=True)
+    partitions = {"nargs": "+", "default": ["all"], "help": "partition names, or all"}
 
     command = commands.add_parser("enqueue", help="enqueue every pending prompt of the partitions")
-    command.add_argument("--partition", nargs="+", default=["all"], help="partition names, or all")
+    command.add_argument("--partition", **partitions)
     command.add_argument("--show-rejects", type=int, default=5, metavar="N", help="rejects to print per partition")
     command.set_defaults(run=enqueue)
 
-    command = commands.add_parser("export", help="write DIR/<partition>.jsonl from the committed outputs")
-    command.add_argument("--partition", nargs="+", default=["all"], help="partition names, or all")
+    command = commands.add_parser("status", help="progress, throughput, workers, servers and failures at a glance")
+    command.add_argument("--json", action="store_true", help="print one JSON object instead")
+    command.add_argument(
+        "--watch", type=float, nargs="?", const=5.0, metavar="SECONDS", help="refresh in place (every 5 s)"
+    )
+    command.set_defaults(run=status)
+
+    command = commands.add_parser("retry-failed", help="put failed jobs back in their queues")
+    command.add_argument("--partition", nargs="+", help="only these partitions")
+    command.add_argument("--cause", help="only failures whose cause or message contains this text")
+    command.set_defaults(run=retry_failed)
+
+    command = commands.add_parser("cancel", help="remove a partition's queued jobs; jobs in flight finish")
+    command.add_argument("--partition", nargs="+", required=True, help="partition names")
+    command.set_defaults(run=cancel)
+
+    command = commands.add_parser("export", help="write DIR/<partition>.jsonl and DIR/manifest.json")
+    command.add_argument("--partition", **partitions)
     command.add_argument("--out", type=Path, required=True, help="output directory")
+    command.add_argument("--format", choices=("raw", "sharegpt"), default="raw", help="raw records, or SpecForge's")
     command.add_argument("--strict", action="store_true", help="exit 1 when any accepted prompt has no output")
     command.set_defaults(run=export)
+
+    command = commands.add_parser("verify", help="check the outputs (and an export) against the partitions")
+    command.add_argument("--partition", **partitions)
+    command.add_argument("--export", type=Path, metavar="DIR", help="also check the export in DIR")
+    command.add_argument("--show", type=int, default=20, metavar="N", help="findings to print per kind")
+    command.set_defaults(run=verify)
 
     args = parser.parse_args(argv)
     try:
@@ -91,6 +209,11 @@ def main(argv: list[str] | None = None) -> int:
     except (PartitionError, RedisUnavailable) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except redis.ConnectionError as error:
+        print(f"error: lost Redis: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

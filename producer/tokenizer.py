@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import tempfile
+from pathlib import Path
 
 from producer.prompts import Prompt, Rejected
 
@@ -31,3 +34,18 @@ class ChatTokenizer:
         except Exception as error:  # a template raises whatever jinja or its own checks raise
             raise Rejected(f"chat template failed: {type(error).__name__}: {error}") from error
         return list(encoding["input_ids"])
+
+    def digest(self) -> str:
+        """SHA-256 of the tokenizer as loaded, chat template included: equal digests make equal input IDs.
+
+        It hashes what `save_pretrained` writes rather than the source directory, which is often the
+        model's own, weights and all.
+        """
+        digest = hashlib.sha256()
+        with tempfile.TemporaryDirectory() as directory:
+            self.tokenizer.save_pretrained(directory)
+            for path in sorted(Path(directory).rglob("*")):
+                if path.is_file():
+                    name = path.relative_to(directory).as_posix()
+                    digest.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
+        return digest.hexdigest()

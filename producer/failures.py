@@ -1,0 +1,84 @@
+"""Why jobs failed: each failed job's latest failure from RQ, reduced to a cause that similar failures share."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from redis import Redis
+from rq.results import Result
+
+_URL_THEN_COLON = re.compile(r"https?://\S+?: ")
+_URL = re.compile(r"https?://\S+")
+# Numbers vary between otherwise equal failures (token counts, ports); HTTP status codes tell causes apart.
+_NUMBER = re.compile(r"(?<!HTTP )(?<![\w.])\d+(?:\.\d+)?(?![\w.])")
+_CLASS = re.compile(r"[A-Za-z_][\w.]*")
+CAUSE_LENGTH = 160
+
+
+@dataclass
+class Failure:
+    job_id: str
+    partition: str
+    line: str  # the failure's own line: the exception and its message
+    cause: str
+
+
+def read_failures(connection: Redis, partition_of: dict[str, str]) -> list[Failure]:
+    """The latest failure of each job in `partition_of` (job ID -> partition), one pipelined round trip."""
+    job_ids = sorted(partition_of)
+    with connection.pipeline(transaction=False) as pipeline:
+        for job_id in job_ids:
+            pipeline.xrevrange(Result.get_key(job_id), "+", "-", count=1)
+        replies = pipeline.execute()
+    failures = []
+    for job_id, reply in zip(job_ids, replies, strict=True):
+        text = ""
+        if reply:
+            result_id, payload = reply[0]
+            text = Result.restore(job_id, result_id.decode(), payload, connection=connection).exc_string or ""
+        line = failure_line(text) or "no failure recorded"
+        failures.append(Failure(job_id, partition_of[job_id], line, cause_of(line)))
+    return failures
+
+
+def failure_line(text: str) -> str:
+    """The line that says what went wrong: a traceback's last unindented line, else the first line."""
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    if not lines:
+        return ""
+    if lines[0].startswith("Traceback"):
+        return next(line for line in reversed(lines) if not line[0].isspace())
+    return lines[0]
+
+
+def cause_of(line: str) -> str:
+    """The failure line without what varies between alike failures: the module path, URLs, numbers.
+
+    `worker.sglang.PermanentError: http://h:1: HTTP 400: (80 tokens)` -> `PermanentError: HTTP 400: (N tokens)`
+    """
+    name, separator, message = line.partition(": ")
+    if separator and _CLASS.fullmatch(name):
+        prefix = name.rsplit(".", 1)[-1] + ": "
+    else:
+        prefix, message = "", line
+    message = _URL.sub("<url>", _URL_THEN_COLON.sub("", message))
+    cause = prefix + _NUMBER.sub("N", message)
+    return cause if len(cause) <= CAUSE_LENGTH else cause[: CAUSE_LENGTH - 3] + "..."
+
+
+def group_by_cause(failures: Iterable[Failure]) -> list[tuple[str, list[Failure]]]:
+    """Causes with their failures, the most frequent first."""
+    groups: dict[str, list[Failure]] = {}
+    for failure in failures:
+        groups.setdefault(failure.cause, []).append(failure)
+    return sorted(groups.items(), key=lambda item: (-len(item[1]), item[0]))
+
+
+def matches(failure: Failure, cause: str | None) -> bool:
+    """Whether `cause` (any part of the cause or of the failure line, case aside) names this failure."""
+    if cause is None:
+        return True
+    wanted = cause.lower()
+    return wanted in failure.cause.lower() or wanted in failure.line.lower()
