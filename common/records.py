@@ -35,6 +35,9 @@ class OutputRecord(BaseModel):
     cached_tokens: int = 0
     sampling_params: dict[str, Any]
     server: str
+    # What the server reported of itself (`/model_info` model_path, `/server_info` version).
+    model: str = ""
+    server_version: str = ""
     created_at: datetime = Field(default_factory=lambda: datetime.now(UTC))
 
     def to_json(self) -> bytes:

@@ -73,14 +73,16 @@ def export_partition(
             if sharegpt is None:
                 fields = orjson.loads(data)
                 created_at = datetime.fromisoformat(fields["created_at"])
-                summary.provenance.add(fields["sampling_params"], fields["server"], created_at)
+                model = f"{fields.get('model', '')} (SGLang {fields.get('server_version', '')})"
+                summary.provenance.add(fields["sampling_params"], fields["server"], model, created_at)
             else:
                 record = OutputRecord.from_json(data)
                 conversation = sharegpt_record(prompt, record, sharegpt)
                 if conversation is None:
                     summary.skipped += 1
                     continue
-                summary.provenance.add(record.sampling_params, record.server, record.created_at)
+                model = f"{record.model} (SGLang {record.server_version})"
+                summary.provenance.add(record.sampling_params, record.server, model, record.created_at)
                 data = orjson.dumps(conversation)
             line = data + b"\n"
             file.write(line)

@@ -29,13 +29,16 @@ class Provenance:
 
     sampling_params: list[dict[str, Any]] = field(default_factory=list)
     servers: Counter[str] = field(default_factory=Counter)
+    models: Counter[str] = field(default_factory=Counter)
     first: datetime | None = None
     last: datetime | None = None
 
-    def add(self, sampling_params: dict[str, Any], server: str, created_at: datetime) -> None:
+    def add(self, sampling_params: dict[str, Any], server: str, model: str, created_at: datetime) -> None:
+        """Count one record: `model` names the model and the server's version."""
         if sampling_params not in self.sampling_params:
             self.sampling_params.append(sampling_params)
         self.servers[server] += 1
+        self.models[model] += 1
         self.first = created_at if self.first is None else min(self.first, created_at)
         self.last = created_at if self.last is None else max(self.last, created_at)
 
@@ -53,8 +56,10 @@ def write_manifest(out: Path, export_format: str, tokenizer: dict[str, str], sum
     firsts = [entry["created"]["first"] for entry in partitions.values() if entry["created"]["first"]]
     lasts = [entry["created"]["last"] for entry in partitions.values() if entry["created"]["last"]]
     servers: Counter[str] = Counter()
+    models: Counter[str] = Counter()
     for entry in partitions.values():
         servers.update(entry["servers"])
+        models.update(entry.get("models", {}))
     manifest = {
         "format": export_format,
         "exported_at": datetime.now(UTC).isoformat(),
@@ -62,6 +67,7 @@ def write_manifest(out: Path, export_format: str, tokenizer: dict[str, str], sum
         "records": sum(entry["records"] for entry in partitions.values()),
         "partitions": partitions,
         "servers": dict(sorted(servers.items())),
+        "models": dict(sorted(models.items())),
         "created": {
             "first": min(firsts, key=datetime.fromisoformat) if firsts else None,
             "last": max(lasts, key=datetime.fromisoformat) if lasts else None,
@@ -91,6 +97,7 @@ def _entry(summary: ExportSummary) -> dict[str, Any]:
         "skipped_input_ids_only": summary.skipped,
         "sampling_params": provenance.sampling_params,
         "servers": dict(sorted(provenance.servers.items())),
+        "models": dict(sorted(provenance.models.items())),
         "created": {
             "first": provenance.first.isoformat() if provenance.first else None,
             "last": provenance.last.isoformat() if provenance.last else None,

@@ -7,11 +7,11 @@ Problems (verify exits 1):
   name, so a second one can only come from outside it);
 - a record whose input_ids differ from what the tokenizer and chat template make of its prompt now
   (a template or tokenizer changed mid-run);
-- a partition whose outputs were made under different sampling parameters;
+- a partition whose outputs were made under different sampling parameters or by different models;
 - with `--export DIR`, an export that repeats an id, holds one of no accepted prompt, lacks one, or
   disagrees with its manifest (counts, file digest, tokenizer).
 Notes (reported, not failing): outputs cut at max_new_tokens, and partitions made by several servers,
-which a fleet of servers does by design (records keep each server's URL, not its model).
+which a fleet of servers does by design.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ PROBLEMS = {
     "duplicate": "samples held by more than one file",
     "input_ids": "outputs whose input_ids differ from what the tokenizer and template make now",
     "sampling": "partitions mixing sampling parameters",
+    "models": "partitions mixing outputs of different models",
     "export": "export problems",
 }
 NOTES = {
@@ -87,6 +88,7 @@ class Verifier:
         found: set[str] = set()
         sampling: Counter[bytes] = Counter()
         servers: Counter[str] = Counter()
+        models: Counter[str] = Counter()
         for path in tqdm(self._files(name), desc=f"verify {name}", unit=" outputs", disable=None, leave=False):
             record = self._read(name, path)
             if record is None:
@@ -102,6 +104,7 @@ class Verifier:
             self._check_input_ids(name, prompt, record)
             sampling[orjson.dumps(record.sampling_params, option=orjson.OPT_SORT_KEYS)] += 1
             servers[record.server] += 1
+            models[record.model] += 1
             if record.finish_reason.get("type") == "length":
                 self.report.add("length", name, f"{record.id!r} ({record.completion_tokens} tokens)")
         for (partition_name, sample), paths in holders.items():
@@ -114,6 +117,9 @@ class Verifier:
         if len(sampling) > 1:
             shown = "; ".join(f"{count} made with {params.decode()}" for params, count in sampling.most_common())
             self.report.add("sampling", name, shown)
+        if len(models) > 1:
+            shown = ", ".join(f"{model or 'unnamed'} ({count})" for model, count in models.most_common())
+            self.report.add("models", name, shown)
         if len(servers) > 1:
             self.report.add("servers", name, ", ".join(f"{url} ({count})" for url, count in servers.most_common()))
 

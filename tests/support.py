@@ -200,3 +200,30 @@ class Fleet:
     def stop(self) -> None:
         for worker in self.workers:
             worker.kill()
+
+
+Start = Callable[..., Simulator]
+
+
+def prompts(count: int, partition: str = "p") -> list[dict]:
+    return [{"id": f"{partition}-{n}", "prompt": f"Question number {n} of {partition}?"} for n in range(count)]
+
+
+def assert_exactly_once(fleet: Fleet, partition: str, ids: list[str]) -> list[dict]:
+    """Every sample has exactly one committed, complete record, and the export lists them in input order."""
+    records = fleet.outputs(partition)
+    assert sorted(record["id"] for record in records) == sorted(ids)
+    for record in records:
+        assert record["finish_reason"]["type"] in ("stop", "length")
+        assert record["completion_tokens"] == len(record["output_ids"]) > 0
+        assert record["input_ids"] and record["server"].startswith("http://127.0.0.1:")
+        assert (record["model"], record["server_version"]) == ("simulated-model", "simulator")
+    out = fleet.directory / "export"
+    fleet.producer("export", "--partition", partition, "--out", str(out), "--strict")
+    exported = [orjson.loads(line) for line in (out / f"{partition}.jsonl").read_bytes().splitlines()]
+    assert [record["id"] for record in exported] == ids
+    return records
+
+
+def wait_for_outputs(fleet: Fleet, partition: str, count: int, timeout: float = 60) -> None:
+    wait_until(lambda: len(fleet.outputs(partition)) >= count, timeout=timeout, what=f"{count} outputs")

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import signal
 
-from tests.support import Fleet, wait_until
-from tests.test_pipeline import Start, assert_exactly_once, prompts, wait_for_outputs
+from tests.support import Fleet, Start, assert_exactly_once, prompts, wait_for_outputs, wait_until
 
 SLOW = ("--token-latency", "0.01", "--min-output-tokens", "40", "--max-output-tokens", "40")
 

@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import orjson
@@ -21,32 +20,17 @@ from rq.registry import FailedJobRegistry, StartedJobRegistry
 from rq.serializers import JSONSerializer
 
 from common.keys import DUPLICATES_KEY, job_id
-from tests.support import ROOT, Fleet, RedisServer, Simulator, wait_until
-
-Start = Callable[..., Simulator]
-
-
-def prompts(count: int, partition: str = "p") -> list[dict]:
-    return [{"id": f"{partition}-{n}", "prompt": f"Question number {n} of {partition}?"} for n in range(count)]
-
-
-def assert_exactly_once(fleet: Fleet, partition: str, ids: list[str]) -> list[dict]:
-    """Every sample has exactly one committed, complete record, and the export lists them in input order."""
-    records = fleet.outputs(partition)
-    assert sorted(record["id"] for record in records) == sorted(ids)
-    for record in records:
-        assert record["finish_reason"]["type"] in ("stop", "length")
-        assert record["completion_tokens"] == len(record["output_ids"]) > 0
-        assert record["input_ids"] and record["server"].startswith("http://127.0.0.1:")
-    out = fleet.directory / "export"
-    fleet.producer("export", "--partition", partition, "--out", str(out), "--strict")
-    exported = [orjson.loads(line) for line in (out / f"{partition}.jsonl").read_bytes().splitlines()]
-    assert [record["id"] for record in exported] == ids
-    return records
-
-
-def wait_for_outputs(fleet: Fleet, partition: str, count: int, timeout: float = 60) -> None:
-    wait_until(lambda: len(fleet.outputs(partition)) >= count, timeout=timeout, what=f"{count} outputs")
+from tests.support import (
+    ROOT,
+    Fleet,
+    RedisServer,
+    Simulator,
+    Start,
+    assert_exactly_once,
+    prompts,
+    wait_for_outputs,
+    wait_until,
+)
 
 
 def generations_per_prompt(simulator: Simulator) -> list[int]:
@@ -200,8 +184,13 @@ def test_worker_runs_nothing_but_the_generation_job(fleet: Fleet, start_simulato
     fleet.point_at(start_simulator())
     marker = tmp_path / "pwned"
     job = Job.create(
-        "os.system", args=[f"touch {marker}"], connection=redis_client, id="evil", origin="short",
-        serializer=JSONSerializer, status="queued",
+        "os.system",
+        args=[f"touch {marker}"],
+        connection=redis_client,
+        id="evil",
+        origin="short",
+        serializer=JSONSerializer,
+        status="queued",
     )
     job.save()
     redis_client.rpush("rq:queue:short", "evil")

@@ -126,8 +126,17 @@ def test_completed_samples_are_not_enqueued(fleet: Fleet, redis_client: redis.Re
     for sample in (1, 3):
         store.commit(
             OutputRecord(
-                id=sample, partition="p", job_id=job_id("p", sample), input_ids=[1], output_ids=[2], text="",
-                finish_reason={"type": "stop"}, prompt_tokens=1, completion_tokens=1, sampling_params={}, server="x",
+                id=sample,
+                partition="p",
+                job_id=job_id("p", sample),
+                input_ids=[1],
+                output_ids=[2],
+                text="",
+                finish_reason={"type": "stop"},
+                prompt_tokens=1,
+                completion_tokens=1,
+                sampling_params={},
+                server="x",
             )
         )
     summary = fleet.producer("enqueue").stdout.splitlines()[1].split()

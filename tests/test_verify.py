@@ -88,6 +88,13 @@ def test_verify_passes_a_clean_run_and_names_each_kind_of_damage(
     victim.write_bytes(orjson.dumps(changed))
     code, output = verify("--partition", "p")
     assert code == 1 and "partitions mixing sampling parameters (1):\n    p: 6 made with" in output
+
+    # A record made by another model.
+    changed = orjson.loads(record) | {"model": "another-model"}
+    victim.write_bytes(orjson.dumps(changed))
+    code, output = verify("--partition", "p")
+    assert code == 1 and "partitions mixing outputs of different models (1):" in output
+    assert "simulated-model (6), another-model (1)" in output
     victim.write_bytes(record)
 
     code, output = verify("--export", str(export), env={"FLEET_TOKENIZER": str(altered_tokenizer(tmp_path))})

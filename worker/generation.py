@@ -49,6 +49,8 @@ class Generator:
             cached_tokens=generated.meta_info.cached_tokens,
             sampling_params=job.sampling_params,
             server=generated.server,
+            model=generated.model,
+            server_version=generated.server_version,
         )
         committed = await asyncio.to_thread(self.store.commit, record)
         if not committed:

@@ -61,11 +61,17 @@ class Generated(BaseModel):
     output_ids: list[int]
     meta_info: MetaInfo
     server: str = ""
+    model: str = ""
+    server_version: str = ""
 
 
 @dataclass
 class Server:
     url: str
+    # The served model's path and SGLang's version, as `/model_info` and `/server_info` say: recorded
+    # with every output, so that a dataset made by two models or versions can be told apart.
+    model: str = ""
+    version: str = ""
     healthy: bool = False
     in_flight: int = 0
     down_since: float | None = field(default_factory=time.time)
@@ -130,6 +136,8 @@ class SGLangClient:
         except ValidationError as error:
             raise TransientError(f"{server.url}: unexpected answer: {error}") from error
         generated.server = server.url
+        generated.model = server.model
+        generated.server_version = server.version
         reason = generated.meta_info.finish_reason.get("type")
         if reason not in ("stop", "length"):
             message = generated.meta_info.finish_reason.get("message", "")
@@ -154,6 +162,14 @@ class SGLangClient:
             self.any_healthy.clear()
         self._probes[server.url] = asyncio.create_task(self._probe(server))
 
+    async def _info(self, server: Server, path: str) -> dict[str, Any]:
+        try:
+            async with self.session.get(f"{server.url}{path}") as response:
+                info = orjson.loads(await response.read()) if response.status == 200 else {}
+        except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError):
+            return {}
+        return info if isinstance(info, dict) else {}
+
     async def _probe(self, server: Server) -> None:
         """Poll `/health_generate` until the server can generate again."""
         while True:
@@ -165,7 +181,9 @@ class SGLangClient:
             except (aiohttp.ClientError, TimeoutError):
                 pass
             await asyncio.sleep(PROBE_INTERVAL)
-        log.info("server %s is healthy", server.url)
+        server.model = str((await self._info(server, "/model_info")).get("model_path", ""))
+        server.version = str((await self._info(server, "/server_info")).get("version", ""))
+        log.info("server %s (SGLang %s) is healthy, serving %s", server.url, server.version, server.model)
         server.healthy = True
         server.down_since = None
         del self._probes[server.url]
