@@ -6,7 +6,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class GenerationJob(BaseModel):
@@ -18,6 +18,14 @@ class GenerationJob(BaseModel):
     sample_id: str | int
     input_ids: list[int] = Field(min_length=1)
     sampling_params: dict[str, Any]
+
+    @field_validator("partition")
+    @classmethod
+    def _folder_name(cls, partition: str) -> str:
+        """A partition names a folder of the output store: nothing that would lead outside it."""
+        if not partition or partition in (".", "..") or any(char in partition for char in "/\\\0"):
+            raise ValueError(f"not a partition name: {partition!r}")
+        return partition
 
 
 class OutputRecord(BaseModel):

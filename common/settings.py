@@ -48,6 +48,8 @@ class Settings(BaseSettings):
     shutdown_grace: float = Field(60.0, ge=0)
     # Attempts per job for transient failures (aborted generations, 5xx) while the server is healthy.
     max_attempts: int = Field(5, gt=0)
+    # Server crashes or disconnects one job may live through before it fails (they cost no attempt).
+    max_server_failures: int = Field(10, gt=0)
     retry_backoff: float = Field(1.0, gt=0)
     retry_backoff_max: float = Field(30.0, gt=0)
     connect_timeout: float = Field(10.0, gt=0)

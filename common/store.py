@@ -35,7 +35,8 @@ class OutputStore:
         final = self.path(record.partition, record.job_id)
         if final.exists():
             return False
-        final.parent.mkdir(parents=True, exist_ok=True)
+        if not final.parent.is_dir():
+            self._make_dirs(final.parent)
         temporary = final.parent / f".{record.job_id}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
         try:
             with open(temporary, "wb") as file:
@@ -50,6 +51,17 @@ class OutputStore:
             return True
         finally:
             temporary.unlink(missing_ok=True)
+
+    def writable(self) -> str | None:
+        """Why outputs cannot be committed here, if they cannot: checked before any generation is spent."""
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            probe = self.root / f".writable.{os.getpid()}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as error:
+            return f"cannot write outputs under {self.root}: {error.strerror or error}"
+        return None
 
     def load(self, partition: str, job_id: str) -> OutputRecord | None:
         try:
@@ -80,6 +92,16 @@ class OutputStore:
                     for entry in entries:
                         if entry.name.endswith(_SUFFIX) and not entry.name.startswith("."):
                             yield Path(entry.path)
+
+    def _make_dirs(self, directory: Path) -> None:
+        """Create `directory` and make each new entry durable, so that a power loss cannot lose a folder of outputs."""
+        missing = []
+        while not directory.is_dir():
+            missing.append(directory)
+            directory = directory.parent
+        for folder in reversed(missing):
+            folder.mkdir(exist_ok=True)
+            _fsync_dir(folder.parent)
 
 
 def _fsync_dir(path: Path) -> None:

@@ -123,19 +123,23 @@ def test_sigkilled_worker_jobs_are_requeued_and_finished(fleet: Fleet, start_sim
     fleet.write_partition("p", prompts(30))
     fleet.producer("enqueue")
     doomed = fleet.start_worker()
-    started = StartedJobRegistry("short", connection=redis_client, serializer=JSONSerializer)
-    wait_until(lambda: started.count >= 30, what="30 jobs in flight")
+    # ZCARD, not registry.count: RQ's count runs its own cleanup, which would do the requeueing itself.
+    wip = "rq:wip:short"
+    wait_until(lambda: redis_client.zcard(wip) >= 30, what="30 jobs in flight")
     doomed.signal(signal.SIGKILL)
     killed_at = time.monotonic()
 
     survivor = fleet.start_worker()
-    wait_until(lambda: started.count == 0 or len(fleet.outputs("p")) == 30, timeout=60, what="jobs requeued")
-    assert time.monotonic() - killed_at < 60
+    # The lease (3 s in tests) lapses, then the survivor's reaper requeues and it claims them again.
+    wait_until(lambda: "requeued 30 jobs of short" in survivor.output(), timeout=30, what="the reaper")
+    assert time.monotonic() - killed_at < 3 + 2 * 0.5 + 5
     wait_for_outputs(fleet, "p", 30)
     survivor.signal(signal.SIGTERM)
     assert survivor.wait(timeout=30) == 0
     assert_exactly_once(fleet, "p", [f"p-{n}" for n in range(30)])
-    assert started.count == 0
+    assert redis_client.zcard(wip) == 0
+    # Reaping spends none of the job's retry budget.
+    assert Job.fetch(job_id("p", "p-0"), connection=redis_client, serializer=JSONSerializer).retries_left == 100
 
 
 def test_redis_restarted_empty_mid_run_is_recovered_by_reenqueue(
@@ -211,3 +215,71 @@ def test_a_plain_rq_worker_started_by_mistake_destroys_no_job(fleet: Fleet, redi
         job = Job.fetch(job_id("p", f"p-{n}"), connection=redis_client, serializer=JSONSerializer)
         assert job.kwargs["sample_id"] == f"p-{n}"
         assert job.get_status() in ("queued", "failed")
+
+
+def test_a_wrong_api_key_stops_the_worker_without_failing_jobs(fleet: Fleet, start_simulator: Start, redis_client):
+    fleet.point_at(start_simulator("--api-key", "right"))
+    fleet.write_partition("p", prompts(10))
+    fleet.producer("enqueue")
+    worker = fleet.start_worker("--burst", env={"FLEET_SGLANG_API_KEY": "wrong"})
+    assert worker.wait(timeout=60) == 1
+    assert "check FLEET_SGLANG_API_KEY" in worker.output() and "wrong" not in worker.output()
+    assert FailedJobRegistry("short", connection=redis_client).count == 0
+    assert redis_client.llen("rq:queue:short") == 10
+
+    assert fleet.start_worker("--burst", env={"FLEET_SGLANG_API_KEY": "right"}).wait(timeout=60) == 0
+    assert_exactly_once(fleet, "p", [f"p-{n}" for n in range(10)])
+
+
+def test_unreadable_or_hostile_jobs_fail_alone(fleet: Fleet, start_simulator: Start, redis_client, tmp_path):
+    fleet.point_at(start_simulator())
+    fleet.write_partition("p", prompts(5))
+    fleet.producer("enqueue")
+    # A job hash with no data at all, and a job whose partition would lead outside the output store.
+    redis_client.hset("rq:job:broken", mapping={"status": "queued", "origin": "short"})
+    escape = Job.create(
+        "worker.jobs.generate",
+        kwargs={"partition": "../escaped", "sample_id": 1, "input_ids": [5, 6], "sampling_params": {}},
+        connection=redis_client,
+        id="escape",
+        origin="short",
+        serializer=JSONSerializer,
+        status="queued",
+    )
+    escape.save()
+    redis_client.lpush("rq:queue:short", "escape", "broken")
+    assert fleet.start_worker("--burst").wait(timeout=60) == 0
+
+    assert_exactly_once(fleet, "p", [f"p-{n}" for n in range(5)])
+    failed = FailedJobRegistry("short", connection=redis_client, serializer=JSONSerializer)
+    assert sorted(failed.get_job_ids()) == ["broken", "escape"]
+    assert not (fleet.output_dir / "escaped").exists() and not (tmp_path / "escaped").exists()
+
+
+def test_an_unwritable_output_dir_stops_the_worker_before_any_generation(fleet: Fleet, tmp_path: Path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    worker = fleet.start_worker("--burst", env={"FLEET_OUTPUT_DIR": str(blocker / "output")})
+    assert worker.wait(timeout=30) == 1
+    assert worker.output().strip().splitlines()[-1].startswith("error: FLEET_OUTPUT_DIR: cannot write outputs")
+
+
+def test_redis_refusing_writes_for_a_while_loses_nothing(
+    fleet: Fleet, start_simulator: Start, redis_client: redis.Redis
+):
+    simulator = start_simulator("--token-latency", "0.01", "--min-output-tokens", "30", "--max-output-tokens", "30")
+    fleet.point_at(simulator)
+    fleet.write_partition("p", prompts(60))
+    fleet.producer("enqueue")
+    worker = fleet.start_worker(env={"FLEET_SHORT_CONCURRENCY": "10"})
+    wait_for_outputs(fleet, "p", 5)
+    redis_client.config_set("maxmemory", "1")  # every write now fails with OOM, as under `noeviction`
+    try:
+        wait_until(lambda: "Redis unavailable" in worker.output(), what="the worker to meet the OOM errors")
+    finally:
+        redis_client.config_set("maxmemory", "0")
+    wait_for_outputs(fleet, "p", 60)
+    worker.signal(signal.SIGTERM)
+    assert worker.wait(timeout=30) == 0
+    assert_exactly_once(fleet, "p", [f"p-{n}" for n in range(60)])
+    assert max(generations_per_prompt(simulator)) == 1

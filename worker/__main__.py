@@ -25,8 +25,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     worker = FleetWorker(args.queues, name=args.name, connection=connection)
-    worker.work(burst=args.burst, logging_level=args.logging_level)
-    return 0
+    return 0 if worker.work(burst=args.burst, logging_level=args.logging_level) else 1
 
 
 if __name__ == "__main__":

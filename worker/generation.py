@@ -65,12 +65,16 @@ class Generator:
         }
 
     async def _generate(self, job: GenerationJob) -> Generated:
-        failures = 0
+        failures = server_failures = 0
         while True:
             try:
                 return await self.client.generate(job.input_ids, job.sampling_params)
             except ServerDown as error:
-                # The client waits for a healthy server on the next call: no retry is spent.
+                # The client waits for a healthy server on the next call: no ordinary retry is spent. A prompt
+                # that was in flight through many server crashes may be what crashes it: it gets a limit.
+                server_failures += 1
+                if server_failures >= self.settings.max_server_failures:
+                    raise
                 log.info("retrying after server went down: %s", error)
             except TransientError as error:
                 failures += 1

@@ -12,9 +12,19 @@ import redis
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+# Errors that pass: Redis unreachable, restarting or loading its data, full under `noeviction`, or a
+# replica that was just demoted. Anything else is a bug and is raised.
+_PASSING = (
+    redis.ConnectionError,
+    redis.TimeoutError,
+    redis.exceptions.OutOfMemoryError,
+    redis.exceptions.ReadOnlyError,
+    redis.exceptions.TryAgainError,
+)
+
 
 async def call_redis(function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    """Run `function` in a thread, retrying with backoff while Redis is down or restarting.
+    """Run `function` in a thread, retrying with backoff while Redis is down, restarting or full.
 
     A generation that finished while Redis was away must still be recorded once Redis is back,
     never turned into a failure.
@@ -23,7 +33,7 @@ async def call_redis(function: Callable[..., T], *args: Any, **kwargs: Any) -> T
     while True:
         try:
             return await asyncio.to_thread(function, *args, **kwargs)
-        except (redis.ConnectionError, redis.TimeoutError) as error:
+        except _PASSING as error:
             log.warning("Redis unavailable (%s); retrying in %.1fs", error, delay)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 5.0)

@@ -43,6 +43,10 @@ class TransientError(GenerationError):
     """The request failed but may succeed if sent again (an aborted generation, a 5xx)."""
 
 
+class Unauthorized(GenerationError):
+    """The server refused our API key (HTTP 401 or 403): no request can succeed until the settings change."""
+
+
 class ServerDown(GenerationError):
     """The server cannot take requests now; wait for its health instead of counting a retry."""
 
@@ -127,6 +131,8 @@ class SGLangClient:
         if status == 503:
             self._mark_down(server)
             raise ServerDown(f"{server.url}: HTTP 503: {text}")
+        if status in (401, 403):
+            raise Unauthorized(f"{server.url}: HTTP {status}: {text}")
         if 400 <= status < 500:
             raise PermanentError(f"{server.url}: HTTP {status}: {text}")
         if status != 200:
