@@ -94,6 +94,15 @@ class Settings(BaseSettings):
     # A JSON file standing in for NVML (server/gpu.py); unset, NVML is asked.
     gpu_probe_file: Path | None = None
 
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, value: str) -> str:
+        parts = urlsplit(value)
+        if parts.scheme not in ("redis", "rediss", "unix"):
+            raise ValueError("must be a redis://, rediss:// or unix:// URL")
+        parts.port  # noqa: B018 - raises ValueError for a port that is not a number
+        return value
+
     @field_validator("sglang_url", mode="before")
     @classmethod
     def _split_urls(cls, value: Any) -> Any:
@@ -128,12 +137,13 @@ class Settings(BaseSettings):
 
     @property
     def redis_url_redacted(self) -> str:
-        """The Redis URL without its password, fit for logs and status output."""
+        """The Redis URL without user, password or query (which may carry `password=`): fit for logs and status."""
         parts = urlsplit(self.redis_url)
-        if parts.password is None:
-            return self.redis_url
-        netloc = f"{parts.username or ''}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
-        return urlunsplit(parts._replace(netloc=netloc))
+        host = parts.hostname or ""
+        if ":" in host:
+            host = f"[{host}]"
+        port = f":{parts.port}" if parts.port else ""
+        return urlunsplit((parts.scheme, host + port, parts.path, "", ""))
 
 
 _SECRET_FIELDS = {"redis_url", "sglang_api_key"}

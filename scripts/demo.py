@@ -19,6 +19,8 @@ from pathlib import Path
 import httpx
 import redis
 
+from common.settings import Settings
+
 ROOT = Path(__file__).resolve().parent.parent
 RUN = ROOT / "run" / "demo"
 WORKERS = 2
@@ -86,7 +88,8 @@ def main() -> int:
             "FLEET_OUTPUT_DIR": str(RUN / "output"),
             "FLEET_TOKENIZER": str(ROOT / "sample" / "tokenizer"),
         }
-        print(f"redis {redis_url}, simulator {sglang_url}, outputs in {RUN / 'output'}\n")
+        shown = Settings(redis_url=redis_url).redis_url_redacted
+        print(f"redis {shown}, simulator {sglang_url}, outputs in {RUN / 'output'}\n")
         subprocess.run([sys.executable, "-m", "producer", "enqueue", "--partition", "all"], env=env, check=True)
 
         print(f"\nrunning {WORKERS} FleetWorkers until the queues are empty (logs in {RUN})")
