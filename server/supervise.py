@@ -40,7 +40,7 @@ class Outcome:
 
 
 class Supervisor:
-    def __init__(self, settings: Settings, probe: GpuProbe, metrics: ServerMetrics, say: Callable[[str], None]):
+    def __init__(self, settings: Settings, probe: GpuProbe, metrics: ServerMetrics, say: Callable[[str], None]) -> None:
         self.settings = settings
         self.probe = probe
         self.metrics = metrics
