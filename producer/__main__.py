@@ -13,6 +13,7 @@ import redis
 from common.connection import RedisUnavailable, connect
 from common.settings import get_settings
 from common.store import OutputStore
+from producer.errors import SetupError, writable_directory
 from producer.partitions import PartitionError, load_partitions
 
 # Commands that tokenize import transformers (a second or two) when they run, so that status,
@@ -25,6 +26,9 @@ def enqueue(args: argparse.Namespace) -> int:
 
     settings = get_settings()
     partitions = load_partitions(settings.data_dir, args.partition)
+    # The rejects report is written after a partition's jobs are pushed: a bad directory must stop us first.
+    writable_directory(settings.output_dir, "FLEET_OUTPUT_DIR")
+    writable_directory(settings.rejects_dir, "the rejects reports under FLEET_OUTPUT_DIR")
     enqueuer = Enqueuer(
         connect(settings), settings, ChatTokenizer(settings.tokenizer), OutputStore(settings.samples_dir)
     )
@@ -94,13 +98,15 @@ def retry_failed(args: argparse.Namespace) -> int:
 
 def cancel(args: argparse.Namespace) -> int:
     from producer.cancel import cancel_queued
-    from producer.census import PartitionResolver, take_census
+    from producer.census import PartitionResolver, recorded_partitions, take_census
 
     settings = get_settings()
     connection = connect(settings)
     canceled = cancel_queued(connection, args.partition)
     seconds, _ = connection.time()
-    census = take_census(connection, PartitionResolver(connection, args.partition), seconds, 0, settings.result_ttl)
+    # Every recorded partition, not only the canceled ones: a job of `p--x` must not count as one of `p`'s.
+    resolver = PartitionResolver(connection, set(recorded_partitions(connection)) | set(args.partition))
+    census = take_census(connection, resolver, seconds, 0, settings.result_ttl)
     for name in args.partition:
         print(
             f"{name}: canceled {canceled[name]} queued jobs; {len(census.in_flight[name])} in flight will finish"
@@ -116,6 +122,7 @@ def export(args: argparse.Namespace) -> int:
     from producer.tokenizer import ChatTokenizer
 
     settings = get_settings()
+    writable_directory(args.out, "export --out")
     store = OutputStore(settings.samples_dir)
     tokenizer = ChatTokenizer(settings.tokenizer)
     sharegpt = AssistantFormat.of(tokenizer) if args.format == "sharegpt" else None
@@ -206,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.run(args)
-    except (PartitionError, RedisUnavailable) as error:
+    except (PartitionError, SetupError, RedisUnavailable) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     except redis.ConnectionError as error:

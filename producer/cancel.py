@@ -13,6 +13,7 @@ from collections import Counter
 from redis import Redis
 from rq.job import Job
 from rq.queue import Queue
+from rq.serializers import JSONSerializer
 
 from common.keys import QUEUES
 from producer.census import PartitionResolver, recorded_partitions
@@ -53,7 +54,7 @@ def cancel_queued(connection: Redis, partitions: list[str]) -> Counter[str]:
     resolver = PartitionResolver(connection, set(recorded_partitions(connection)) | set(partitions))
     canceled: Counter[str] = Counter()
     for name in QUEUES:
-        queue = Queue(name, connection=connection)
+        queue = Queue(name, connection=connection, serializer=JSONSerializer)
         listed = {item.decode() for item in connection.lrange(queue.key, 0, -1)}
         partition_of = resolver.resolve(listed)
         doomed = sorted(job_id for job_id, partition in partition_of.items() if partition in partitions)

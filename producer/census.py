@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from redis import Redis
 from rq.job import Job
 from rq.queue import Queue
+from rq.serializers import JSONSerializer
 
 from common.keys import QUEUES, job_id_prefix, partition_key
 
@@ -87,7 +88,7 @@ def take_census(connection: Redis, resolver: PartitionResolver, now: float, wind
     """
     with connection.pipeline(transaction=False) as pipeline:
         for name in QUEUES:
-            queue = Queue(name, connection=connection)
+            queue = Queue(name, connection=connection, serializer=JSONSerializer)
             pipeline.lrange(queue.key, 0, -1)
             pipeline.zrange(queue.started_job_registry.key, 0, -1, withscores=True)
             pipeline.zrange(queue.failed_job_registry.key, 0, -1)

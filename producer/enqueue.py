@@ -8,26 +8,29 @@ step: two producers running at once cannot both push a job.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from redis import Redis
 from rq import Retry
 from rq.job import Job, JobStatus
 from rq.queue import Queue
+from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 from tqdm import tqdm
 
-from common.keys import JOB_FUNCTION, job_id, partition_key
+from common.keys import JOB_FUNCTION, QUEUES, job_id, partition_key
 from common.records import GenerationJob
 from common.settings import Settings
 from common.store import OutputStore
 from producer.partitions import Partition
 from producer.prompts import Prompt, Reject, Rejected, read_prompts
-from producer.tokenizer import ChatTokenizer
+
+if TYPE_CHECKING:
+    # Only a type here: importing transformers takes a second or two, and retry-failed reads this module.
+    from producer.tokenizer import ChatTokenizer
 
 # A job whose worker died is put back in its queue by RQ's StartedJobRegistry.cleanup, which spends
 # one retry each time; generation failures are retried inside the worker and never use this budget.
@@ -36,14 +39,22 @@ REQUEUES_AFTER_WORKER_DEATH = 100
 # A job in one of these states is someone's to finish: it is left alone.
 PENDING = {JobStatus.QUEUED, JobStatus.STARTED, JobStatus.SCHEDULED, JobStatus.DEFERRED}
 
-# KEYS: job hash, queue list, RQ's set of queues, the finished and canceled registries.
-# ARGV: job ID, then the job hash as field, value, ...
-# Returns the status that made it skip the job, or "enqueued".
+# KEYS: job hash, queue list, RQ's set of queues, the finished and canceled registries, then every
+# queue's failed registry. ARGV: job ID, then the job hash as field, value, ...
+# Returns the status that made it skip the job, or "enqueued". A failed job in no failed registry is
+# lost (e.g. RQ's own requeue interrupted between its steps): retry-failed cannot see it, so it is
+# created and queued again.
 ENQUEUE_SCRIPT = """
 local status = redis.call('HGET', KEYS[1], 'status')
-if status == 'queued' or status == 'started' or status == 'scheduled' or status == 'deferred'
-   or status == 'failed' then
+if status == 'queued' or status == 'started' or status == 'scheduled' or status == 'deferred' then
     return status
+end
+if status == 'failed' then
+    for i = 6, #KEYS do
+        if redis.call('ZSCORE', KEYS[i], ARGV[1]) then
+            return status
+        end
+    end
 end
 redis.call('DEL', KEYS[1])
 redis.call('HSET', KEYS[1], unpack(ARGV, 2))
@@ -88,6 +99,10 @@ class Enqueuer:
         self.store = store
         self.batch_size = batch_size
         self.script = connection.register_script(ENQUEUE_SCRIPT)
+        # Every queue's, not only the partition's own: the partition may have changed queues since its job failed.
+        self.failed_registries = [
+            FailedJobRegistry(name, connection=connection, serializer=JSONSerializer).key for name in QUEUES
+        ]
 
     def enqueue(self, partition: Partition) -> PartitionSummary:
         summary = PartitionSummary(partition.name)
@@ -122,8 +137,8 @@ class Enqueuer:
         sampling_params: dict[str, Any],
         summary: PartitionSummary,
     ) -> None:
-        # Look before tokenizing, so that a re-run over queued or failed prompts costs one round trip.
-        statuses = self._statuses(candidate.job_id for candidate in batch)
+        # Look before tokenizing, so that a re-run over queued or failed prompts costs a round trip or two.
+        statuses = self._statuses([candidate.job_id for candidate in batch])
         jobs = []
         for candidate, status in zip(batch, statuses, strict=True):
             if status in PENDING:
@@ -137,7 +152,7 @@ class Enqueuer:
         with self.connection.pipeline(transaction=False) as pipeline:
             for job in jobs:
                 keys = [job.key, queue.key, Queue.redis_queues_keys]
-                keys += [queue.finished_job_registry.key, queue.canceled_job_registry.key]
+                keys += [queue.finished_job_registry.key, queue.canceled_job_registry.key, *self.failed_registries]
                 self.script(keys=keys, args=[job.id, *_flatten(job.to_dict())], client=pipeline)
             results = pipeline.execute()
         for result in results:
@@ -149,11 +164,31 @@ class Enqueuer:
             else:
                 summary.pending += 1
 
-    def _statuses(self, job_ids: Iterable[str]) -> list[str | None]:
+    def _statuses(self, job_ids: list[str]) -> list[str | None]:
+        """Each job's status; None where there is no job, or a failed one lost from the failed registries."""
         with self.connection.pipeline(transaction=False) as pipeline:
             for identifier in job_ids:
                 pipeline.hget(Job.key_for(identifier), "status")
-            return [status.decode() if status else None for status in pipeline.execute()]
+            statuses = [status.decode() if status else None for status in pipeline.execute()]
+        failed = [identifier for identifier, status in zip(job_ids, statuses, strict=True) if status == "failed"]
+        if not failed:
+            return statuses
+        lost = set(failed) - self._listed_as_failed(failed)
+        return [None if identifier in lost else status for identifier, status in zip(job_ids, statuses, strict=True)]
+
+    def _listed_as_failed(self, job_ids: list[str]) -> set[str]:
+        """Those of `job_ids` that a failed registry lists, for retry-failed to requeue."""
+        with self.connection.pipeline(transaction=False) as pipeline:
+            for identifier in job_ids:
+                for key in self.failed_registries:
+                    pipeline.zscore(key, identifier)
+            scores = pipeline.execute()
+        per_job = len(self.failed_registries)
+        return {
+            identifier
+            for index, identifier in enumerate(job_ids)
+            if any(score is not None for score in scores[index * per_job : (index + 1) * per_job])
+        }
 
     def _build_job(
         self,

@@ -1,26 +1,57 @@
 """`retry-failed`: put failed jobs back in their queues under their own IDs, once each.
 
-RQ's FailedJobRegistry.requeue takes a job out of the registry with one ZREM before it queues it,
-so of two retries running at once only one queues each job. A job whose sample was committed
-meanwhile (a duplicate generation that failed after the first one succeeded) is not run again:
-its failed job is deleted.
+RQ's FailedJobRegistry.requeue takes a job out of the registry (ZREM), saves it, then queues it, in
+three steps: interrupted in between, it leaves a job `failed` that is in no registry and no queue.
+Here one script per job does all of it, and only to a job still `failed`, so of two retries running
+at once only one queues each job. A job whose sample was committed meanwhile (a duplicate generation
+that failed after the first one succeeded) is not run again: its failed job is deleted.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 
 from redis import Redis
-from rq.exceptions import InvalidJobOperation, NoSuchJobError
+from rq.exceptions import NoSuchJobError
 from rq.job import Job
+from rq.queue import Queue
 from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
+from rq.utils import utcformat
 
 from common.keys import QUEUES
 from common.store import OutputStore
 from producer.census import PartitionResolver, recorded_partitions
+from producer.enqueue import REQUEUES_AFTER_WORKER_DEATH
 from producer.failures import matches, read_failures
+
+# KEYS: failed registry, job hash, queue list, RQ's set of queues.
+# ARGV: job ID, enqueued_at, the retries a new job gets.
+# Returns "requeued", "gone" (the job expired from Redis: its registry entry is dropped), or the
+# status that made it leave the job alone (another retry, or an enqueue, queued it first).
+REQUEUE_SCRIPT = """
+local status = redis.call('HGET', KEYS[2], 'status')
+if not status then
+    redis.call('ZREM', KEYS[1], ARGV[1])
+    return 'gone'
+end
+if status ~= 'failed' then
+    return status
+end
+redis.call('ZREM', KEYS[1], ARGV[1])
+redis.call('HSET', KEYS[2], 'status', 'queued', 'enqueued_at', ARGV[2], 'started_at', '', 'ended_at', '')
+-- Whatever of its retry budget (REQUEUES_AFTER_WORKER_DEATH) was spent, a retried job starts with all of it.
+if redis.call('HEXISTS', KEYS[2], 'retries_left') == 1 then
+    redis.call('HSET', KEYS[2], 'retries_left', ARGV[3])
+end
+-- The failed registry set the job to expire with its entry; a queued job must not.
+redis.call('PERSIST', KEYS[2])
+redis.call('SADD', KEYS[4], KEYS[3])
+redis.call('RPUSH', KEYS[3], ARGV[1])
+return 'requeued'
+"""
 
 
 @dataclass
@@ -36,26 +67,36 @@ def retry_failed(
 ) -> RetrySummary:
     summary = RetrySummary()
     resolver = PartitionResolver(connection, set(recorded_partitions(connection)) | set(partitions or []))
-    for queue in QUEUES:
-        registry = FailedJobRegistry(queue, connection=connection, serializer=JSONSerializer)
+    requeue = connection.register_script(REQUEUE_SCRIPT)
+    for name in QUEUES:
+        queue = Queue(name, connection=connection, serializer=JSONSerializer)
+        registry = FailedJobRegistry(name, connection=connection, serializer=JSONSerializer)
         job_ids = [item.decode() for item in connection.zrange(registry.key, 0, -1)]
         for failure in read_failures(connection, resolver.resolve(job_ids)):
             if (partitions and failure.partition not in partitions) or not matches(failure, cause):
                 summary.left += 1
-                continue
-            try:
-                job = Job.fetch(failure.job_id, connection=connection, serializer=JSONSerializer)
-            except NoSuchJobError:
-                registry.remove(failure.job_id)
-                summary.gone += 1
-                continue
-            if store.exists(failure.partition, job.id):
-                job.delete()
-                summary.already_done += 1
-                continue
-            try:
-                registry.requeue(job)
-            except InvalidJobOperation:
-                continue  # another retry took it out of the registry first
-            summary.retried[failure.partition] += 1
+            elif store.exists(failure.partition, failure.job_id):
+                if _delete(connection, registry, failure.job_id):
+                    summary.already_done += 1
+                else:
+                    summary.gone += 1
+            else:
+                keys = [registry.key, Job.key_for(failure.job_id), queue.key, Queue.redis_queues_keys]
+                args = [failure.job_id, utcformat(datetime.now(UTC)), REQUEUES_AFTER_WORKER_DEATH]
+                outcome = requeue(keys=keys, args=args).decode()
+                if outcome == "requeued":
+                    summary.retried[failure.partition] += 1
+                elif outcome == "gone":
+                    summary.gone += 1
     return summary
+
+
+def _delete(connection: Redis, registry: FailedJobRegistry, job_id: str) -> bool:
+    """Delete a failed job and its registry entry; False if the job had already expired from Redis."""
+    try:
+        job = Job.fetch(job_id, connection=connection, serializer=JSONSerializer)
+    except NoSuchJobError:
+        registry.remove(job_id)
+        return False
+    job.delete()
+    return True

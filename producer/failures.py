@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import re
+import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from redis import Redis
 from rq.results import Result
+from rq.serializers import JSONSerializer
 
 _URL_THEN_COLON = re.compile(r"https?://\S+?: ")
 _URL = re.compile(r"https?://\S+")
@@ -34,13 +36,26 @@ def read_failures(connection: Redis, partition_of: dict[str, str]) -> list[Failu
         replies = pipeline.execute()
     failures = []
     for job_id, reply in zip(job_ids, replies, strict=True):
-        text = ""
-        if reply:
-            result_id, payload = reply[0]
-            text = Result.restore(job_id, result_id.decode(), payload, connection=connection).exc_string or ""
+        text = _exc_string(connection, job_id, reply[0]) if reply else ""
         line = failure_line(text) or "no failure recorded"
         failures.append(Failure(job_id, partition_of[job_id], line, cause_of(line)))
     return failures
+
+
+def _exc_string(connection: Redis, job_id: str, entry: tuple[bytes, dict[bytes, bytes]]) -> str:
+    """The failure text of one entry of a job's RQ results stream.
+
+    Whoever can write to Redis can forge these entries: `return_value` is left out before RQ reads
+    the entry (RQ would unpickle it by default, and this needs only `exc_string`), and JSON is the
+    serializer should anything else be decoded. An entry that cannot be read is reported, not raised.
+    """
+    result_id, payload = entry
+    payload = {key: value for key, value in payload.items() if key != b"return_value"}
+    try:
+        result = Result.restore(job_id, result_id.decode(), payload, connection=connection, serializer=JSONSerializer)
+    except (ValueError, KeyError, zlib.error) as error:
+        return f"unreadable failure record: {type(error).__name__}"
+    return result.exc_string or ""
 
 
 def failure_line(text: str) -> str:

@@ -7,6 +7,7 @@ import logging
 import tempfile
 from pathlib import Path
 
+from producer.errors import SetupError, one_line
 from producer.prompts import Prompt, Rejected
 
 # transformers warns on import that PyTorch is missing; the producer needs only its tokenizers.
@@ -18,7 +19,11 @@ from transformers import AutoTokenizer  # noqa: E402
 class ChatTokenizer:
     def __init__(self, name_or_path: str) -> None:
         self.name = name_or_path
-        self.tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+        except (OSError, ValueError) as error:  # no such path or repo, or no tokenizer files in it
+            reason = one_line(error)
+            raise SetupError(f"cannot load the tokenizer FLEET_TOKENIZER={name_or_path}: {reason}") from error
         self.vocab_size = len(self.tokenizer)
 
     def encode(self, prompt: Prompt) -> list[int]:

@@ -18,6 +18,7 @@ from typing import Any
 import orjson
 from redis import Redis
 from rq import Worker
+from rq.serializers import JSONSerializer
 
 from common.keys import QUEUES, worker_state_key
 from common.settings import Settings
@@ -42,7 +43,7 @@ class WorkerView:
 
 def list_workers(connection: Redis, settings: Settings, now: float) -> list[WorkerView]:
     reports = _reports(connection)
-    registered = {worker.name: worker for worker in Worker.all(connection=connection)}
+    registered = {worker.name: worker for worker in Worker.all(connection=connection, serializer=JSONSerializer)}
     stale_after = STALE_AFTER_INTERVALS * settings.heartbeat_interval + 1
     views = []
     for name, report in reports.items():

@@ -135,3 +135,21 @@ def test_manifest_describes_the_export(fleet: Fleet):
     # Exporting one partition again keeps the other's entry.
     fleet.producer("export", "--out", str(out), "--partition", "b")
     assert sorted(orjson.loads((out / "manifest.json").read_bytes())["partitions"]) == ["a", "b"]
+
+
+def test_a_bad_out_directory_or_tokenizer_fails_with_one_line(fleet: Fleet):
+    fleet.write_partition("a", [{"id": 0, "prompt": "Question?"}])
+    commit(fleet, "a", 0, "Answer<|im_end|>")
+    (fleet.directory / "a-file").write_text("")
+    out = fleet.directory / "a-file" / "export"
+
+    result = fleet.producer("export", "--out", str(out), check=False)
+
+    assert result.returncode == 2 and result.stderr.strip().count("\n") == 0, result.stderr
+    assert f"error: cannot write to the directory {out} (export --out)" in result.stderr
+
+    missing = fleet.directory / "no-such-tokenizer"
+    fleet.env["FLEET_TOKENIZER"] = str(missing)
+    result = fleet.producer("export", "--out", str(fleet.directory / "export"), check=False)
+    assert result.returncode == 2 and result.stderr.strip().count("\n") == 0, result.stderr
+    assert f"error: cannot load the tokenizer FLEET_TOKENIZER={missing}: " in result.stderr

@@ -2,20 +2,34 @@
 
 from __future__ import annotations
 
+import pickle
 import time
-from collections.abc import Callable
+import zlib
+from base64 import b64encode
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
 
+import orjson
+import pytest
 import redis
-from rq.job import Job
+from rq import Retry
+from rq.job import Job, JobStatus
 from rq.queue import Queue
 from rq.registry import FailedJobRegistry
+from rq.results import Result
+from rq.serializers import JSONSerializer
 
-from common.keys import job_id
+from common.keys import JOB_FUNCTION, job_id
 from common.records import OutputRecord
 from common.store import OutputStore
+from producer.enqueue import REQUEUES_AFTER_WORKER_DEATH
+from producer.failed import retry_failed
 from tests.support import Fleet, Simulator
 
 Start = Callable[..., Simulator]
+FAILURE = "worker.sglang.PermanentError: http://127.0.0.1:1: HTTP 400: too long"
 
 
 def queued(client: redis.Redis, queue: str = "short") -> list[str]:
@@ -24,6 +38,107 @@ def queued(client: redis.Redis, queue: str = "short") -> list[str]:
 
 def status_of(client: redis.Redis, identifier: str) -> str:
     return client.hget(Job.key_for(identifier), "status").decode()
+
+
+def failed_job(client: redis.Redis, sample_id: str, retries_left: int = REQUEUES_AFTER_WORKER_DEATH) -> str:
+    """A job of partition p as a FleetWorker leaves it failed: in the failed registry, its failure in its results."""
+    job = Job.create(
+        JOB_FUNCTION,
+        kwargs={"partition": "p", "sample_id": sample_id},
+        connection=client,
+        id=job_id("p", sample_id),
+        origin="short",
+        description=f"generate p/{sample_id}",
+        serializer=JSONSerializer,
+        retry=Retry(max=REQUEUES_AFTER_WORKER_DEATH),
+    )
+    job.retries_left = retries_left
+    with client.pipeline() as pipeline:
+        job.set_status(JobStatus.FAILED, pipeline=pipeline)
+        job._handle_failure(FAILURE, pipeline=pipeline)
+        pipeline.execute()
+    return job.id
+
+
+class TouchOnUnpickle:
+    """Creates a file when unpickled: proof that something read from Redis was unpickled."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (open, (str(self.path), "w"))
+
+
+class Interrupted(BaseException):
+    """The process stopped there (a kill, a lost connection): nothing after it runs."""
+
+
+@contextmanager
+def interrupted_after(round_trips: int) -> Iterator[None]:
+    """Raise Interrupted right after the given number of round trips to Redis, commands or pipelines."""
+    count = 0
+
+    def counted(original: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            nonlocal count
+            reply = original(*args, **kwargs)
+            count += 1
+            if count == round_trips:
+                raise Interrupted
+            return reply
+
+        return call
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(redis.Redis, "execute_command", counted(redis.Redis.execute_command))
+        patch.setattr(redis.client.Pipeline, "execute", counted(redis.client.Pipeline.execute))
+        yield
+
+
+def test_failure_records_are_never_unpickled(fleet: Fleet, redis_client: redis.Redis, tmp_path: Path):
+    identifier = failed_job(redis_client, "big")
+    marker = tmp_path / "unpickled"
+    # The latest result of the failed job, as anyone who can write to Redis could forge it.
+    forged = {
+        "type": Result.Type.FAILED.value,
+        "return_value": b64encode(pickle.dumps(TouchOnUnpickle(marker))),
+        "exc_string": b64encode(zlib.compress(FAILURE.encode())),
+    }
+    redis_client.xadd(Result.get_key(identifier), forged)
+
+    status = orjson.loads(fleet.producer("status", "--json").stdout)
+    assert [failure["cause"] for failure in status["failures"]] == ["PermanentError: HTTP 400: too long"]
+    assert not marker.exists()
+    assert "requeued 1 failed jobs (p: 1)" in fleet.producer("retry-failed").stdout
+    assert not marker.exists()
+
+
+def test_retry_failed_interrupted_anywhere_leaves_the_job_failed_or_queued(redis_client: redis.Redis, tmp_path: Path):
+    """Never `failed` outside the failed registry: enqueue would skip it and retry-failed not see it."""
+    store = OutputStore(tmp_path / "samples")
+    registry = FailedJobRegistry("short", connection=redis_client, serializer=JSONSerializer)
+    round_trips = 1
+    while True:
+        redis_client.flushall()
+        # Three worker deaths spent three of its retries before it failed.
+        identifier = failed_job(redis_client, "big", retries_left=REQUEUES_AFTER_WORKER_DEATH - 3)
+        try:
+            with interrupted_after(round_trips):
+                retry_failed(redis_client, store)
+            finished = True
+        except Interrupted:
+            finished = False
+        state = (status_of(redis_client, identifier), identifier in registry.get_job_ids(), queued(redis_client))
+        assert state in [("failed", True, []), ("queued", False, [identifier])], f"after {round_trips} round trips"
+        if finished:
+            break
+        round_trips += 1
+
+    assert state == ("queued", False, [identifier])
+    assert redis_client.hget(Job.key_for(identifier), "retries_left") == str(REQUEUES_AFTER_WORKER_DEATH).encode()
+    # The failed registry had set the job to expire; a queued job must not.
+    assert redis_client.ttl(Job.key_for(identifier)) == -1
 
 
 def test_retry_failed_requeues_selected_failures_once_under_their_own_ids(
@@ -76,18 +191,17 @@ def test_cancel_removes_only_the_partitions_queued_jobs(fleet: Fleet, redis_clie
     fleet.write_partition("p", [{"id": f"p-{n}", "prompt": f"Question {n}?"} for n in range(5)])
     fleet.write_partition("p--x", [{"id": f"x-{n}", "prompt": f"Other {n}?"} for n in range(3)])
     fleet.producer("enqueue")
-    # One of p's jobs is in flight, as a worker's claim leaves it.
-    running = job_id("p", "p-0")
-    redis_client.lrem("rq:queue:short", 0, running)
-    redis_client.hset(Job.key_for(running), "status", "started")
-    redis_client.zadd(
-        Queue("short", connection=redis_client).started_job_registry.key, {f"{running}:e1": time.time() + 60}
-    )
+    # One job of each is in flight, as a worker's claim leaves it.
+    started = Queue("short", connection=redis_client).started_job_registry.key
+    for running in (job_id("p", "p-0"), job_id("p--x", "x-0")):
+        redis_client.lrem("rq:queue:short", 0, running)
+        redis_client.hset(Job.key_for(running), "status", "started")
+        redis_client.zadd(started, {f"{running}:e1": time.time() + 60})
 
     output = fleet.producer("cancel", "--partition", "p").stdout
 
     assert "p: canceled 4 queued jobs; 1 in flight will finish" in output
-    assert queued(redis_client) == [job_id("p--x", f"x-{n}") for n in range(3)]
+    assert queued(redis_client) == [job_id("p--x", f"x-{n}") for n in (1, 2)]
     assert [status_of(redis_client, job_id("p", f"p-{n}")) for n in range(5)] == ["started"] + ["canceled"] * 4
     assert "canceled 0 queued jobs" in fleet.producer("cancel", "--partition", "p").stdout
     # enqueue queues the canceled jobs again.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import orjson
 import redis
@@ -14,6 +15,7 @@ from transformers import AutoTokenizer
 from common.keys import job_id
 from common.records import OutputRecord
 from common.store import OutputStore
+from producer.enqueue import ENQUEUE_SCRIPT
 from tests.support import ROOT, Fleet
 
 TOKENIZER = str(ROOT / "sample" / "tokenizer")
@@ -173,3 +175,60 @@ def test_bad_setting_fails_naming_the_variable(fleet: Fleet):
     result = fleet.producer("enqueue", check=False)
     assert result.returncode != 0
     assert "FLEET_SHORT_CONCURRENCY" in result.stderr and result.stderr.strip().count("\n") == 0
+
+
+def test_a_failed_job_lost_from_the_failed_registry_is_enqueued_again(fleet: Fleet, redis_client: redis.Redis):
+    fleet.write_partition("p", [{"id": n, "prompt": f"question {n}"} for n in range(3)])
+    fleet.producer("enqueue")
+    lost, listed = job_id("p", 0), job_id("p", 1)
+    for identifier in (lost, listed):
+        redis_client.lrem("rq:queue:short", 0, identifier)
+        redis_client.hset(Job.key_for(identifier), "status", "failed")
+    # `lost` is as RQ's own requeue leaves a job interrupted after its ZREM: failed, in no registry and no queue.
+    redis_client.zadd("rq:failed:short", {listed: time.time() + 3600})
+
+    summary = fleet.producer("enqueue").stdout.splitlines()[1].split()
+
+    assert summary == ["p", "3", "0", "1", "1", "1", "0"]
+    assert queued(redis_client) == [job_id("p", 2), lost]
+    assert redis_client.hget(Job.key_for(lost), "status") == b"queued"
+    # A failed job in the registry is retry-failed's: the script itself leaves it alone too.
+    keys = [Job.key_for(listed), "rq:queue:short", "rq:queues", "rq:finished:short", "rq:canceled:short"]
+    keys += ["rq:failed:short", "rq:failed:long"]
+    assert redis_client.register_script(ENQUEUE_SCRIPT)(keys=keys, args=[listed, "status", "queued"]) == b"failed"
+    assert redis_client.hget(Job.key_for(listed), "status") == b"failed"
+    assert queued(redis_client) == [job_id("p", 2), lost]
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess[str], *named: str) -> None:
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith("error: ") and result.stderr.strip().count("\n") == 0, result.stderr
+    assert all(text in result.stderr for text in named), result.stderr
+
+
+def test_a_bad_tokenizer_fails_with_one_line(fleet: Fleet, redis_client: redis.Redis):
+    fleet.write_partition("p", [{"prompt": "hi"}])
+    missing = fleet.directory / "no-such-tokenizer"
+    fleet.env["FLEET_TOKENIZER"] = str(missing)
+    result = fleet.producer("enqueue", check=False)
+    assert_one_line_error(result, f"cannot load the tokenizer FLEET_TOKENIZER={missing}")
+    # A directory without a tokenizer in it.
+    fleet.env["FLEET_TOKENIZER"] = str(fleet.data_dir)
+    assert_one_line_error(fleet.producer("enqueue", check=False), f"FLEET_TOKENIZER={fleet.data_dir}")
+    assert queued(redis_client) == []
+
+
+def test_an_output_directory_that_cannot_be_written_stops_enqueue_before_any_push(
+    fleet: Fleet, redis_client: redis.Redis
+):
+    fleet.write_partition("p", [{"prompt": "hi"}])
+    (fleet.directory / "a-file").write_text("")
+    output_dir = fleet.directory / "a-file" / "output"
+    fleet.env["FLEET_OUTPUT_DIR"] = str(output_dir)
+    assert_one_line_error(fleet.producer("enqueue", check=False), str(output_dir), "FLEET_OUTPUT_DIR")
+    # The rejects report's directory, in the way of which is a file.
+    fleet.env["FLEET_OUTPUT_DIR"] = str(fleet.output_dir)
+    fleet.output_dir.mkdir()
+    (fleet.output_dir / "rejects").write_text("")
+    assert_one_line_error(fleet.producer("enqueue", check=False), str(fleet.output_dir / "rejects"))
+    assert queued(redis_client) == []

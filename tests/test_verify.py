@@ -47,6 +47,17 @@ def altered_tokenizer(directory: Path) -> Path:
     return copy
 
 
+def test_a_bad_tokenizer_fails_with_one_line(fleet: Fleet):
+    fleet.write_partition("p", [{"prompt": "hi"}])
+    missing = fleet.directory / "no-such-tokenizer"
+    fleet.env["FLEET_TOKENIZER"] = str(missing)
+
+    result = fleet.producer("verify", check=False)
+
+    assert result.returncode == 2 and result.stderr.strip().count("\n") == 0, result.stderr
+    assert f"error: cannot load the tokenizer FLEET_TOKENIZER={missing}: " in result.stderr
+
+
 def test_verify_passes_a_clean_run_and_names_each_kind_of_damage(
     fleet: Fleet, start_simulator: Start, verify: Verify, tmp_path: Path
 ):

@@ -320,8 +320,8 @@ class FleetWorker(Worker):
             pipeline.set(worker_state_key(self.name), orjson.dumps(self.report()), ex=self.settings.lease_ttl)
             for lease in leases:
                 self.leases.renew(pipeline, lease)
-            replies = pipeline.execute()[-len(leases) :] if leases else []
-        for lease, holds_lock in zip(leases, replies, strict=True):
+            replies = pipeline.execute()
+        for lease, holds_lock in zip(leases, replies[len(replies) - len(leases) :], strict=True):
             if lease.locked and not holds_lock:
                 log.warning("lost the generation lock of %s to another worker; the first commit wins", lease.job_id)
 
