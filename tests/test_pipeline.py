@@ -283,3 +283,29 @@ def test_redis_refusing_writes_for_a_while_loses_nothing(
     assert worker.wait(timeout=30) == 0
     assert_exactly_once(fleet, "p", [f"p-{n}" for n in range(60)])
     assert max(generations_per_prompt(simulator)) == 1
+
+
+def test_the_rq_command_line_runs_fleet_workers(fleet: Fleet, start_simulator: Start):
+    fleet.point_at(start_simulator())
+    fleet.write_partition("p", prompts(20))
+    fleet.producer("enqueue")
+    rq_worker = [
+        sys.executable,
+        "-m",
+        "rq.cli",
+        "worker",
+        "-u",
+        fleet.env["FLEET_REDIS_URL"],
+        "--burst",
+        "short",
+        "long",
+    ]
+    by_flag = subprocess.run([*rq_worker, "-w", "worker.FleetWorker"], cwd=ROOT, env=fleet.env, timeout=60, check=False)
+    assert by_flag.returncode == 0
+    assert_exactly_once(fleet, "p", [f"p-{n}" for n in range(20)])
+
+    fleet.write_partition("p", prompts(30))
+    fleet.producer("enqueue")
+    by_variable = fleet.env | {"RQ_WORKER_CLASS": "worker.FleetWorker"}
+    assert subprocess.run(rq_worker, cwd=ROOT, env=by_variable, timeout=60, check=False).returncode == 0
+    assert_exactly_once(fleet, "p", [f"p-{n}" for n in range(30)])
