@@ -6,6 +6,9 @@ Every test ends with the same check: one correct record per accepted prompt, non
 from __future__ import annotations
 
 import hashlib
+import os
+import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -23,10 +26,12 @@ from common.keys import DUPLICATES_KEY, job_id
 from tests.support import (
     ROOT,
     Fleet,
+    ManagedProcess,
     RedisServer,
     Simulator,
     Start,
     assert_exactly_once,
+    free_port,
     prompts,
     wait_for_outputs,
     wait_until,
@@ -309,3 +314,38 @@ def test_the_rq_command_line_runs_fleet_workers(fleet: Fleet, start_simulator: S
     by_variable = fleet.env | {"RQ_WORKER_CLASS": "worker.FleetWorker"}
     assert subprocess.run(rq_worker, cwd=ROOT, env=by_variable, timeout=60, check=False).returncode == 0
     assert_exactly_once(fleet, "p", [f"p-{n}" for n in range(30)])
+
+
+def test_the_supervisor_brings_a_killed_server_back_and_nothing_is_lost(fleet: Fleet, tmp_path: Path):
+    port = free_port()
+    no_gpu_processes = tmp_path / "gpus.json"
+    no_gpu_processes.write_text('{"gpus": [{"total_gb": 96, "processes": []}]}')
+    simulate = [sys.executable, "-m", "server", "simulate", "--host", "{host}", "--port", "{port}"]
+    simulate += ["--token-latency", "0.01", "--min-output-tokens", "30", "--max-output-tokens", "30"]
+    supervisor_env = fleet.env | {
+        "FLEET_SERVER_COMMAND": shlex.join(simulate),
+        "FLEET_SERVER_PORT": str(port),
+        "FLEET_SERVER_LOG": str(tmp_path / "sglang.log"),
+        "FLEET_GPU_PROBE_FILE": str(no_gpu_processes),
+        "FLEET_HEALTH_INTERVAL": "0.2",
+        "FLEET_RESTART_BACKOFF": "0.1",
+    }
+    supervise = [sys.executable, "-m", "server", "supervise"]
+    supervisor = ManagedProcess(supervise, tmp_path / "supervise.out", supervisor_env).start()
+    try:
+        fleet.env["FLEET_SGLANG_URL"] = f"http://127.0.0.1:{port}"
+        fleet.write_partition("p", prompts(80))
+        fleet.producer("enqueue")
+        worker = fleet.start_worker(env={"FLEET_SHORT_CONCURRENCY": "20"})
+        wait_for_outputs(fleet, "p", 10)
+        server_group = int(re.search(r"started process group (\d+)", supervisor.output()).group(1))
+        os.killpg(server_group, signal.SIGKILL)
+        wait_until(lambda: "server exited" in supervisor.output(), what="the supervisor to see the crash")
+        wait_for_outputs(fleet, "p", 80)
+        assert supervisor.output().count("started process group") == 2
+        worker.signal(signal.SIGTERM)
+        assert worker.wait(timeout=30) == 0
+        assert_exactly_once(fleet, "p", [f"p-{n}" for n in range(80)])
+    finally:
+        supervisor.signal(signal.SIGTERM)
+        supervisor.wait(timeout=30)
