@@ -1,8 +1,8 @@
 """The Quick start's end-to-end run on the bundled sample partitions.
 
 It starts a private redis-server (unless `--redis-url` names one) and the SGLang simulator, enqueues
-every sample partition, runs two FleetWorkers until the queues are empty, exports the dataset and
-prints where it is. Everything it writes goes under `run/demo/`.
+every sample partition, runs two FleetWorkers until the queues are empty, exports the dataset,
+verifies it and prints where it is. Everything it writes goes under `run/demo/`.
 """
 
 from __future__ import annotations
@@ -103,6 +103,8 @@ def main() -> int:
         print()
         export = [sys.executable, "-m", "producer", "export", "--partition", "all", "--out", str(RUN / "dataset")]
         subprocess.run([*export, "--strict"], env=env, check=True)
+        verify = [sys.executable, "-m", "producer", "verify", "--export", str(RUN / "dataset")]
+        subprocess.run(verify, env=env, check=True)
         print(f"\ndataset: {RUN / 'dataset'}")
         return 0
     except subprocess.CalledProcessError as error:
