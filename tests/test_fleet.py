@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 
-from tests.support import Fleet, Start, assert_exactly_once, prompts, wait_for_outputs, wait_until
+from tests.support import ROOT, Fleet, Start, assert_exactly_once, prompts, wait_for_outputs, wait_until
 
 SLOW = ("--token-latency", "0.01", "--min-output-tokens", "40", "--max-output-tokens", "40")
 
@@ -52,3 +54,18 @@ def test_failover_when_one_of_two_servers_dies(fleet: Fleet, start_simulator: St
     assert worker.wait(timeout=30) == 0
     assert "is down" in worker.output()
     assert_exactly_once(fleet, "p", [f"p-{n}" for n in range(150)])
+
+
+def test_rq_info_shows_every_job_in_flight_as_started(fleet: Fleet, start_simulator: Start, redis_client):
+    fleet.point_at(
+        start_simulator("--token-latency", "0.05", "--min-output-tokens", "200", "--max-output-tokens", "200")
+    )
+    fleet.write_partition("p", prompts(12))
+    fleet.producer("enqueue")
+    worker = fleet.start_worker()
+    wait_until(lambda: redis_client.zcard("rq:wip:short") == 12, what="12 jobs in flight")
+    info = [sys.executable, "-m", "rq.cli", "info", "-u", fleet.env["FLEET_REDIS_URL"], "short"]
+    shown = subprocess.run(info, cwd=ROOT, env=fleet.env, capture_output=True, text=True, timeout=30).stdout
+    assert "short        | 0, 12 executing" in shown and "1 workers, 1 queues" in shown
+    worker.signal(signal.SIGTERM)
+    assert worker.wait(timeout=30) == 0
