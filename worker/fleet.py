@@ -36,7 +36,16 @@ from rq.results import Result
 from rq.serializers import JSONSerializer
 from rq.utils import utcformat
 
-from common.keys import COMPLETIONS_KEY, COMPLETIONS_MAXLEN, JOB_FUNCTION, PREFIX, TOTALS_KEY, job_id, worker_state_key
+from common.keys import (
+    COMPLETIONS_KEY,
+    COMPLETIONS_MAXLEN,
+    DUPLICATES_KEY,
+    JOB_FUNCTION,
+    PREFIX,
+    TOTALS_KEY,
+    job_id,
+    worker_state_key,
+)
 from common.records import GenerationJob
 from common.settings import Settings, get_settings
 from common.store import OutputStore
@@ -100,7 +109,7 @@ class FleetWorker(Worker):
             loop.add_signal_handler(signum, self._request_stop)
 
         self.client = SGLangClient(self.settings)
-        self.generator = Generator(self.settings, self.connection, store, self.client)
+        self.generator = Generator(self.settings, store, self.client)
         await self.client.start()
         await call_redis(self.register_birth)
         log.info("FleetWorker %s: queues %s", self.name, self._slot_summary())
@@ -231,7 +240,9 @@ class FleetWorker(Worker):
             job.finished_job_registry.add(job, ttl, pipeline)
             job.cleanup(ttl, pipeline=pipeline, remove_from_queue=False)
             self.leases.finish(pipeline, lease)
-            if result.get("committed"):
+            if result.get("duplicate"):
+                pipeline.incr(DUPLICATES_KEY)
+            if result["committed"]:
                 # Throughput figures for `python -m producer status`.
                 tokens = result["completion_tokens"]
                 pipeline.xadd(COMPLETIONS_KEY, {"tokens": tokens}, maxlen=COMPLETIONS_MAXLEN, approximate=True)

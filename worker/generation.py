@@ -6,13 +6,9 @@ import asyncio
 import logging
 from typing import Any
 
-from redis import Redis
-
-from common.keys import DUPLICATES_KEY
 from common.records import GenerationJob, OutputRecord
 from common.settings import Settings
 from common.store import OutputStore
-from worker.redis_calls import call_redis
 from worker.sglang import Generated, ServerDown, SGLangClient, TransientError
 
 log = logging.getLogger(__name__)
@@ -22,12 +18,10 @@ class Generator:
     def __init__(
         self,
         settings: Settings,
-        connection: Redis,
         store: OutputStore,
         client: SGLangClient,
     ) -> None:
         self.settings = settings
-        self.connection = connection
         self.store = store
         self.client = client
 
@@ -56,10 +50,11 @@ class Generator:
         )
         committed = await asyncio.to_thread(self.store.commit, record)
         if not committed:
+            # Another execution committed this sample first (the worker counts duplicates with its bookkeeping).
             log.warning("discarded a duplicate output for %s", job_id)
-            await call_redis(self.connection.incr, DUPLICATES_KEY)
         return {
             "committed": committed,
+            "duplicate": not committed,
             "finish_reason": record.finish_reason.get("type"),
             "completion_tokens": record.completion_tokens,
         }
