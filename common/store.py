@@ -71,18 +71,15 @@ class OutputStore:
 
     def done(self, partition: str) -> set[str]:
         """The job IDs committed for `partition`, from directory listings alone."""
-        return {path.name.removesuffix(_SUFFIX) for path in self._files(partition)}
-
-    def records(self, partition: str) -> Iterator[OutputRecord]:
-        for path in self._files(partition):
-            yield OutputRecord.from_json(path.read_bytes())
+        return {path.name.removesuffix(_SUFFIX) for path in self.files(partition)}
 
     def partitions(self) -> list[str]:
         if not self.root.is_dir():
             return []
         return sorted(entry.name for entry in self.root.iterdir() if entry.is_dir())
 
-    def _files(self, partition: str) -> Iterator[Path]:
+    def files(self, partition: str) -> Iterator[Path]:
+        """The committed outputs' files of `partition`, in no particular order; temporary files left out."""
         base = self.root / partition
         if not base.is_dir():
             return

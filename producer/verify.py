@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter, defaultdict
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -89,7 +88,9 @@ class Verifier:
         sampling: Counter[bytes] = Counter()
         servers: Counter[str] = Counter()
         models: Counter[str] = Counter()
-        for path in tqdm(self._files(name), desc=f"verify {name}", unit=" outputs", disable=None, leave=False):
+        for path in tqdm(
+            sorted(self.store.files(name)), desc=f"verify {name}", unit=" outputs", disable=None, leave=False
+        ):
             record = self._read(name, path)
             if record is None:
                 continue
@@ -125,7 +126,7 @@ class Verifier:
 
     def foreign(self, name: str) -> None:
         """A store partition with no partition file: every output in it is unexpected."""
-        for path in self._files(name):
+        for path in sorted(self.store.files(name)):
             self.report.outputs += 1
             self.report.add("unexpected", name, f"{path}: no {name}.jsonl in {self.settings.data_dir}")
 
@@ -175,14 +176,6 @@ class Verifier:
             )
         if entry["sha256"] != hashlib.sha256(data).hexdigest():
             self.report.add("export", name, f"{path.name} changed since it was exported (SHA-256 differs)")
-
-    def _files(self, partition: str) -> Iterator[Path]:
-        """Every file of the partition's folder in the store, as `common.store` lays them out, wherever they lie."""
-        base = self.store.root / partition
-        if base.is_dir():
-            for path in sorted(base.glob("*/*.json")):
-                if not path.name.startswith("."):  # a commit's temporary file
-                    yield path
 
     def _read(self, partition: str, path: Path) -> OutputRecord | None:
         self.report.outputs += 1
