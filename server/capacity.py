@@ -42,13 +42,11 @@ class ModelShape:
     """The parts of a Hugging Face config.json that decide KV cache size and per-rank weights."""
 
     num_layers: int
-    hidden_size: int
     # Bytes per parameter of the unquantized model (what `--kv-cache-dtype auto` uses for the KV cache).
     dtype_bytes: int
     # MLA (DeepSeek-V3, Kimi-K2): kv_lora_rank is set.
     kv_lora_rank: int | None = None
     qk_rope_head_dim: int = 0
-    q_lora_rank: int | None = None
     # MHA/GQA.
     num_kv_heads: int = 0
     head_dim: int = 0
@@ -66,22 +64,18 @@ class ModelShape:
         text = {**config, **config.get("text_config", {})}
         dtype_bytes = _MODEL_DTYPE_BYTES.get(str(text.get("torch_dtype") or text.get("dtype")), 2)
         layers = int(text["num_hidden_layers"])
-        hidden = int(text["hidden_size"])
         if text.get("kv_lora_rank"):
             return cls(
                 num_layers=layers,
-                hidden_size=hidden,
                 dtype_bytes=dtype_bytes,
                 kv_lora_rank=int(text["kv_lora_rank"]),
                 qk_rope_head_dim=int(text["qk_rope_head_dim"]),
-                q_lora_rank=text.get("q_lora_rank"),
                 replicated_weight_bytes=_mla_replicated_bytes(text, dtype_bytes),
             )
         heads = int(text["num_attention_heads"])
-        head_dim = int(text.get("head_dim") or hidden // heads)
+        head_dim = int(text.get("head_dim") or int(text["hidden_size"]) // heads)
         return cls(
             num_layers=layers,
-            hidden_size=hidden,
             dtype_bytes=dtype_bytes,
             num_kv_heads=int(text.get("num_key_value_heads") or heads),
             head_dim=head_dim,
