@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -189,20 +190,18 @@ def test_sigterm_lets_jobs_finish_then_requeues_the_rest(fleet: Fleet, start_sim
     assert_exactly_once(fleet, "p", [f"p-{n}" for n in range(10)])
 
 
+def queue_raw_job(client: redis.Redis, identifier: str, function: str, **arguments: Any) -> None:
+    """Put a job into the short queue by hand, as anyone with access to Redis could, bypassing the producer."""
+    options = {"id": identifier, "origin": "short", "serializer": JSONSerializer, "status": "queued"}
+    job = Job.create(function, connection=client, **options, **arguments)
+    job.save()
+    client.rpush("rq:queue:short", identifier)
+
+
 def test_worker_runs_nothing_but_the_generation_job(fleet: Fleet, start_simulator: Start, redis_client, tmp_path):
     fleet.point_at(start_simulator())
     marker = tmp_path / "pwned"
-    job = Job.create(
-        "os.system",
-        args=[f"touch {marker}"],
-        connection=redis_client,
-        id="evil",
-        origin="short",
-        serializer=JSONSerializer,
-        status="queued",
-    )
-    job.save()
-    redis_client.rpush("rq:queue:short", "evil")
+    queue_raw_job(redis_client, "evil", "os.system", args=[f"touch {marker}"])
     assert fleet.start_worker("--burst").wait(timeout=30) == 0
     assert not marker.exists()
     failure = Job.fetch("evil", connection=redis_client, serializer=JSONSerializer).latest_result().exc_string
@@ -242,17 +241,9 @@ def test_unreadable_or_hostile_jobs_fail_alone(fleet: Fleet, start_simulator: St
     fleet.producer("enqueue")
     # A job hash with no data at all, and a job whose partition would lead outside the output store.
     redis_client.hset("rq:job:broken", mapping={"status": "queued", "origin": "short"})
-    escape = Job.create(
-        "worker.jobs.generate",
-        kwargs={"partition": "../escaped", "sample_id": 1, "input_ids": [5, 6], "sampling_params": {}},
-        connection=redis_client,
-        id="escape",
-        origin="short",
-        serializer=JSONSerializer,
-        status="queued",
-    )
-    escape.save()
-    redis_client.lpush("rq:queue:short", "escape", "broken")
+    redis_client.rpush("rq:queue:short", "broken")
+    escaping = {"partition": "../escaped", "sample_id": 1, "input_ids": [5, 6], "sampling_params": {}}
+    queue_raw_job(redis_client, "escape", "worker.jobs.generate", kwargs=escaping)
     assert fleet.start_worker("--burst").wait(timeout=60) == 0
 
     assert_exactly_once(fleet, "p", [f"p-{n}" for n in range(5)])
