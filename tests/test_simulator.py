@@ -4,17 +4,22 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import re
+import shutil
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import httpx
 import orjson
 import pytest
+from transformers import AutoTokenizer
 
-from tests.support import Simulator, wait_until
+from tests.support import ROOT, Simulator, wait_until
 
 StartSimulator = Callable[..., Simulator]
+TOKENIZER = AutoTokenizer.from_pretrained(ROOT / "sample" / "tokenizer")
 GAUGES = ("sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage", "sglang:gen_throughput")
 
 
@@ -35,25 +40,30 @@ def test_same_request_same_answer_and_other_sampling_params_another(start_simula
     assert first["meta_info"]["id"] != second["meta_info"]["id"]
     other = generate(simulator, {**body, "sampling_params": {"temperature": 0.3, "max_new_tokens": 64}}).json()
     assert other["output_ids"] != first["output_ids"]
-    assert all(3 <= token < 32000 for token in first["output_ids"][:-1])
+    assert all(0 <= token < len(TOKENIZER) for token in first["output_ids"])
     digest = hashlib.sha1(orjson.dumps([5, 6, 7])).hexdigest()
     assert simulator.stats()["inputs"] == {digest: 3}
 
 
-def test_stop_at_eos_or_length_at_max_new_tokens(start_simulator: StartSimulator) -> None:
+def test_answers_end_with_the_tokenizers_end_token_trimmed_from_text_as_sglang_does(
+    start_simulator: StartSimulator,
+) -> None:
     simulator = start_simulator("--min-output-tokens", "5", "--max-output-tokens", "5")
     params = {"max_new_tokens": 100, "skip_special_tokens": False}
     stop = generate(simulator, {"input_ids": [1, 2, 3], "sampling_params": params}).json()
-    assert stop["meta_info"]["finish_reason"] == {"type": "stop", "matched": 2}
-    assert len(stop["output_ids"]) == 6
-    assert stop["output_ids"][-1] == 2
-    assert stop["meta_info"]["completion_tokens"] == len(stop["output_ids"])
+    end = TOKENIZER.eos_token_id
+    assert stop["meta_info"]["finish_reason"] == {"type": "stop", "matched": end}
+    assert stop["output_ids"][-1] == end and end not in stop["output_ids"][:-1]
+    assert stop["meta_info"]["completion_tokens"] == len(stop["output_ids"]) > 5
     assert stop["meta_info"]["prompt_tokens"] == 3
-    assert stop["text"].endswith(" <|eos|>")
+    # SGLang's detokenizer trims the matched stop token from `text`, not from `output_ids`.
+    assert stop["text"] == TOKENIZER.decode(stop["output_ids"][:-1], skip_special_tokens=False)
+    kept = generate(simulator, {"input_ids": [1, 2, 3], "sampling_params": {**params, "no_stop_trim": True}}).json()
+    assert kept["text"] == stop["text"] + TOKENIZER.eos_token
 
     hidden = generate(simulator, {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 100}}).json()
     assert hidden["output_ids"] == stop["output_ids"]
-    assert hidden["text"] == stop["text"].removesuffix(" <|eos|>")
+    assert hidden["text"] == TOKENIZER.decode(stop["output_ids"][:-1], skip_special_tokens=True)
 
     length = generate(simulator, {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 3}}).json()
     assert length["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
@@ -62,7 +72,51 @@ def test_stop_at_eos_or_length_at_max_new_tokens(start_simulator: StartSimulator
 
     default = generate(simulator, {"input_ids": [1, 2, 3], "sampling_params": {"ignore_eos": True}}).json()
     assert default["meta_info"]["finish_reason"] == {"type": "length", "length": 128}  # SGLang's default
-    assert 2 not in default["output_ids"]
+    assert end not in default["output_ids"]
+
+
+def test_max_new_tokens_is_cut_to_what_the_context_leaves(start_simulator: StartSimulator) -> None:
+    simulator = start_simulator("--context-length", "64")
+    body = {"input_ids": list(range(10)), "sampling_params": {"max_new_tokens": 54, "ignore_eos": True}}
+    answer = generate(simulator, body).json()
+    # SGLang's scheduler keeps one token for the request and one more: context - 1 - prompt - 1.
+    assert answer["meta_info"]["finish_reason"] == {"type": "length", "length": 52}
+    assert len(answer["output_ids"]) == 52
+
+
+def test_generations_use_the_templates_reasoning_and_tool_call_markers(start_simulator: StartSimulator) -> None:
+    simulator = start_simulator("--min-output-tokens", "4", "--max-output-tokens", "12")
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    messages = [{"role": "user", "content": "Weather in Oslo?"}]
+    offered = TOKENIZER.apply_chat_template(messages, tools=[weather], add_generation_prompt=True, return_dict=True)
+    plain = TOKENIZER.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)
+    params = {"max_new_tokens": 200, "skip_special_tokens": False}
+
+    def texts(prompt: list[int]) -> list[str]:
+        seeds = [{**params, "temperature": 0.01 * n} for n in range(1, 31)]
+        answers = generate(simulator, {"input_ids": [prompt] * 30, "sampling_params": seeds}).json()
+        return [answer["text"] for answer in answers]
+
+    with_tools, without = texts(offered["input_ids"]), texts(plain["input_ids"])
+    calls = [re.search(r"<tool_call>\n(.*)\n</tool_call>$", text) for text in with_tools]
+    assert 5 < sum(call is not None for call in calls) < 30
+    assert {orjson.loads(call.group(1))["name"] for call in calls if call} == {"get_weather"}
+    assert not any("<tool_call>" in text for text in without)
+    reasoned = [text for text in with_tools + without if text.startswith("<think>\n")]
+    assert 20 < len(reasoned) < 60 and all("\n</think>\n\n" in text for text in reasoned)
+
+
+def test_a_template_without_markers_gets_plain_answers(start_simulator: StartSimulator, tmp_path: Path) -> None:
+    plain = tmp_path / "tokenizer"
+    shutil.copytree(ROOT / "sample" / "tokenizer", plain)
+    config = orjson.loads((plain / "tokenizer_config.json").read_bytes())
+    config["chat_template"] = "{% for m in messages %}{{ m.content }}<|im_end|>{% endfor %}"
+    (plain / "tokenizer_config.json").write_bytes(orjson.dumps(config))
+    simulator = start_simulator("--tokenizer-path", str(plain))
+    bodies = [{"input_ids": [n, 9], "sampling_params": {"skip_special_tokens": False}} for n in range(20)]
+    texts = [generate(simulator, body).json()["text"] for body in bodies]
+    assert not any("<think>" in text or "<tool_call>" in text for text in texts)
+    assert get(simulator, "/server_info").json()["tokenizer_path"] == str(plain)
 
 
 def test_batch_form_answers_a_list_like_single_requests(start_simulator: StartSimulator) -> None:
@@ -78,7 +132,9 @@ def test_batch_form_answers_a_list_like_single_requests(start_simulator: StartSi
     assert mixed[1]["output_ids"] == batch[1]["output_ids"][:2]
 
     texts = generate(simulator, {"text": ["hello there", "general"], "sampling_params": params}).json()
-    assert [item["meta_info"]["prompt_tokens"] for item in texts] == [2, 1]
+    assert [item["meta_info"]["prompt_tokens"] for item in texts] == [
+        len(TOKENIZER.encode(text)) for text in ("hello there", "general")
+    ]
     assert all(item["text"] for item in texts)
 
 
