@@ -13,6 +13,7 @@ import redis
 from common.connection import RedisUnavailable, connect
 from common.settings import get_settings
 from common.store import OutputStore
+from producer.dataset.formats import FORMATS
 from producer.errors import SetupError, writable_directory
 from producer.partitions import PartitionError, load_partitions
 
@@ -116,20 +117,21 @@ def cancel(args: argparse.Namespace) -> int:
 
 
 def export(args: argparse.Namespace) -> int:
-    from producer.export import export_partition
-    from producer.manifest import write_manifest
-    from producer.sharegpt import AssistantFormat
+    from producer.dataset.export import export_partition
+    from producer.dataset.formats import ExportOptions
+    from producer.dataset.manifest import write_manifest
     from producer.tokenizer import ChatTokenizer
 
     settings = get_settings()
+    partitions = load_partitions(settings.data_dir, args.partition)
+    tokenizer = ChatTokenizer(settings.tokenizer)
     writable_directory(args.out, "export --out")
     store = OutputStore(settings.samples_dir)
-    tokenizer = ChatTokenizer(settings.tokenizer)
-    sharegpt = AssistantFormat.of(tokenizer) if args.format == "sharegpt" else None
+    options = ExportOptions(args.format, args.include_truncated, args.split_reasoning)
     incomplete = False
     summaries = []
-    for partition in load_partitions(settings.data_dir, args.partition):
-        summary = export_partition(settings, store, partition, args.out, sharegpt)
+    for partition in partitions:
+        summary = export_partition(settings, store, partition, args.out, options, tokenizer)
         summaries.append(summary)
         line = f"{partition.name}: {summary.exported} records -> {summary.path}"
         if summary.missing:
@@ -137,19 +139,31 @@ def export(args: argparse.Namespace) -> int:
             shown = ", ".join(map(str, summary.missing[:10]))
             more = f" and {len(summary.missing) - 10} more" if len(summary.missing) > 10 else ""
             line += f"; {len(summary.missing)} missing: {shown}{more}"
+        if summary.truncated and not options.keeps_truncated:
+            line += f"; {summary.truncated} cut at max_new_tokens left out (--include-truncated keeps them)"
         if summary.skipped:
-            line += f"; {summary.skipped} input_ids-only prompts skipped (no turns to show; --format raw has them)"
+            line += (
+                f"; {summary.skipped} input_ids-only prompts skipped (no turns to show; --format specforge has them)"
+            )
+        if summary.drifted:
+            line += f"; {summary.drifted} do not tokenize back into the generated ids (--format specforge is exact)"
         if summary.rejected:
             line += f"; {summary.rejected} rejected at enqueue"
         print(line)
     tokenizer_info = {"name": tokenizer.name, "sha256": tokenizer.digest()}
-    print(f"manifest -> {write_manifest(args.out, args.format, tokenizer_info, summaries)}")
+    print(f"manifest -> {write_manifest(args.out, options, tokenizer_info, summaries)}")
+    if options.format == "specforge":
+        longest = max((summary.longest for summary in summaries), default=0)
+        print(
+            f"for SpecForge: `cat {args.out}/*.jsonl > train.jsonl`, then data.prompts_path=train.jsonl"
+            f" and data.max_length >= {longest} (the longest record)"
+        )
     return 1 if incomplete and args.strict else 0
 
 
 def verify(args: argparse.Namespace) -> int:
+    from producer.dataset.verify import Verifier, render
     from producer.tokenizer import ChatTokenizer
-    from producer.verify import Verifier, render
 
     settings = get_settings()
     store = OutputStore(settings.samples_dir)
@@ -200,7 +214,21 @@ def main(argv: list[str] | None = None) -> int:
     command = commands.add_parser("export", help="write DIR/<partition>.jsonl and DIR/manifest.json")
     command.add_argument("--partition", **partitions)
     command.add_argument("--out", type=Path, required=True, help="output directory")
-    command.add_argument("--format", choices=("raw", "sharegpt"), default="raw", help="raw records, or SpecForge's")
+    command.add_argument(
+        "--format",
+        choices=FORMATS,
+        default="specforge",
+        help="specforge: token ids and loss mask, exactly as generated (default); text: decoded, for SpecForge's"
+        " is_preformatted; sharegpt: conversations; raw: the records as committed",
+    )
+    command.add_argument(
+        "--include-truncated", action="store_true", help="keep generations cut at max_new_tokens (left out by default)"
+    )
+    command.add_argument(
+        "--split-reasoning",
+        action="store_true",
+        help="sharegpt: reasoning and tool calls in their own fields, for SpecForge's thinking parsers",
+    )
     command.add_argument("--strict", action="store_true", help="exit 1 when any accepted prompt has no output")
     command.set_defaults(run=export)
 

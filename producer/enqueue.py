@@ -8,11 +8,10 @@ step: two producers running at once cannot both push a job.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-import orjson
 from redis import Redis
 from rq import Retry
 from rq.job import Job, JobStatus
@@ -27,6 +26,7 @@ from common.settings import Settings
 from common.store import OutputStore
 from producer.partitions import Partition
 from producer.prompts import Prompt, Reject, Rejected, read_prompts
+from producer.rejects import write_rejects
 
 if TYPE_CHECKING:
     # Only a type here: importing transformers takes a second or two, and retry-failed reads this module.
@@ -244,9 +244,7 @@ class Enqueuer:
                 "updated_at": datetime.now(UTC).isoformat(),
             },
         )
-        report = self.settings.rejects_dir / f"{partition.name}.jsonl"
-        report.parent.mkdir(parents=True, exist_ok=True)
-        report.write_bytes(b"".join(orjson.dumps(asdict(reject)) + b"\n" for reject in summary.rejects))
+        write_rejects(self.settings, partition.name, summary.rejects)
 
 
 def _flatten(mapping: dict[str, Any]) -> list[Any]:

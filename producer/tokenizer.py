@@ -6,6 +6,7 @@ import hashlib
 import logging
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from producer.errors import SetupError, one_line
 from producer.prompts import Prompt, Rejected
@@ -39,6 +40,22 @@ class ChatTokenizer:
         except Exception as error:  # a template raises whatever jinja or its own checks raise
             raise Rejected(f"chat template failed: {type(error).__name__}: {error}") from error
         return list(encoding["input_ids"])
+
+    def decode(self, ids: list[int]) -> str:
+        """The text of `ids` with every special token kept, as SGLang returns it with skip_special_tokens off."""
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def tokenize(self, text: str) -> list[int]:
+        """The ids of `text` as SpecForge tokenizes a rendered conversation: no special tokens added."""
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
+        """A whole conversation rendered with the chat template, as a trainer renders it (no generation prompt)."""
+        return self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False)
+
+    def name_of(self, ids: list[int]) -> list[str]:
+        """The tokens of `ids` as the vocabulary spells them, to show where two sequences part."""
+        return self.tokenizer.convert_ids_to_tokens(ids)
 
     def digest(self) -> str:
         """SHA-256 of the tokenizer as loaded, chat template included: equal digests make equal input IDs.

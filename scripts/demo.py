@@ -1,8 +1,9 @@
 """The Quick start's end-to-end run on the bundled sample partitions.
 
 It starts a private redis-server (unless `--redis-url` names one) and the SGLang simulator, enqueues
-every sample partition, runs two FleetWorkers until the queues are empty, exports the dataset,
-verifies it and prints where it is. Everything it writes goes under `run/demo/`.
+every sample partition, runs two FleetWorkers until the queues are empty, exports the dataset for
+SpecForge and verifies it token by token, exports the conversations too to show what re-tokenizing them
+would change, and prints which export to hand to SpecForge. Everything it writes goes under `run/demo/`.
 """
 
 from __future__ import annotations
@@ -100,12 +101,20 @@ def main() -> int:
             if process.wait() != 0:
                 sys.exit(f"error: a worker failed; see {RUN}/worker-*.log")
 
-        print()
-        export = [sys.executable, "-m", "producer", "export", "--partition", "all", "--out", str(RUN / "dataset")]
-        subprocess.run([*export, "--strict"], env=env, check=True)
-        verify = [sys.executable, "-m", "producer", "verify", "--export", str(RUN / "dataset")]
-        subprocess.run(verify, env=env, check=True)
-        print(f"\ndataset: {RUN / 'dataset'}")
+        producer = [sys.executable, "-m", "producer"]
+        dataset, sharegpt = RUN / "dataset", RUN / "sharegpt"
+        print("\nthe dataset for SpecForge, token ids exactly as generated:")
+        subprocess.run([*producer, "export", "--out", str(dataset), "--strict"], env=env, check=True)
+        subprocess.run([*producer, "verify", "--export", str(dataset)], env=env, check=True)
+        print("\nthe same as conversations, which a trainer renders and tokenizes again:")
+        subprocess.run([*producer, "export", "--out", str(sharegpt), "--format", "sharegpt"], env=env, check=True)
+        subprocess.run(
+            [*producer, "verify", "--partition", "chat", "--export", str(sharegpt), "--show", "3"], env=env, check=True
+        )
+        print(
+            f"\nhand SpecForge {dataset}/*.jsonl (`--format specforge`, verified token-exact) as data.prompts_path;"
+            f" {sharegpt} shows what re-tokenizing conversations would change"
+        )
         return 0
     except subprocess.CalledProcessError as error:
         print(f"error: {' '.join(map(str, error.cmd[1:4]))} exited with {error.returncode}", file=sys.stderr)

@@ -205,6 +205,32 @@ class Fleet:
 Start = Callable[..., Simulator]
 
 
+def bpe_tokenizer(directory: Path) -> Path:
+    """A byte-level BPE tokenizer trained here on a few words, with the sample tokenizer's ChatML template.
+
+    Decoding and encoding again is not the identity: `hell` `o` decodes to `hello`, which encodes as one token,
+    as a real model's output can differ from its tokenizer's own encoding of the same text.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    special = ["<unk>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>"]
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=special, initial_alphabet=alphabet, show_progress=False
+    )
+    tokenizer.train_from_iterator(["hello world, the weather in Paris is sunny"] * 50, trainer=trainer)
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    sample = orjson.loads((ROOT / "sample" / "tokenizer" / "tokenizer_config.json").read_bytes())
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "unk_token": "<unk>"}
+    config["chat_template"] = sample["chat_template"]
+    (directory / "tokenizer_config.json").write_bytes(orjson.dumps(config))
+    return directory
+
+
 def prompts(count: int, partition: str = "p") -> list[dict]:
     return [{"id": f"{partition}-{n}", "prompt": f"Question number {n} of {partition}?"} for n in range(count)]
 

@@ -8,10 +8,12 @@ Problems (verify exits 1):
 - a record whose input_ids differ from what the tokenizer and chat template make of its prompt now
   (a template or tokenizer changed mid-run);
 - a partition whose outputs were made under different sampling parameters or by different models;
-- with `--export DIR`, an export that repeats an id, holds one of no accepted prompt, lacks one, or
-  disagrees with its manifest (counts, file digest, tokenizer).
-Notes (reported, not failing): outputs cut at max_new_tokens, and partitions made by several servers,
-which a fleet of servers does by design.
+- with `--export DIR`, an export that repeats an id, holds one of no accepted prompt or one its options
+  leave out, lacks one, or disagrees with its manifest (counts, file digest, tokenizer); a `specforge` or
+  `raw` row whose tokens are not exactly the prompt's ids and the generated ids (fidelity.py).
+Notes (reported, not failing): outputs cut at max_new_tokens; partitions made by several servers, which a
+fleet of servers does by design; `text` and `sharegpt` rows that a trainer, tokenizing them again with the
+model's tokenizer and template, would train on other tokens than the generated ones.
 """
 
 from __future__ import annotations
@@ -29,10 +31,12 @@ from common.keys import job_id, sample_key
 from common.records import OutputRecord
 from common.settings import Settings
 from common.store import OutputStore
-from producer.export import accepted_prompts
-from producer.manifest import read_manifest
+from producer.dataset.fidelity import drift
+from producer.dataset.formats import ExportOptions, is_truncated
+from producer.dataset.manifest import read_manifest
 from producer.partitions import Partition
 from producer.prompts import Prompt, Rejected
+from producer.rejects import accepted_prompts
 from producer.tokenizer import ChatTokenizer
 
 PROBLEMS = {
@@ -45,10 +49,13 @@ PROBLEMS = {
     "sampling": "partitions mixing sampling parameters",
     "models": "partitions mixing outputs of different models",
     "export": "export problems",
+    "tokens": "exported rows whose tokens are not exactly the prompt's and the generated ones",
 }
 NOTES = {
     "length": "outputs cut at max_new_tokens (finish_reason length)",
     "servers": "partitions made by more than one server",
+    "drift": "exported rows a trainer would tokenize into other tokens than the generated ones"
+    " (--format specforge keeps them exact)",
 }
 
 
@@ -63,6 +70,8 @@ class Finding:
 class Report:
     findings: list[Finding] = field(default_factory=list)
     outputs: int = 0
+    # Rows read per exported partition: what the drift notes are counted against.
+    exported_rows: Counter[str] = field(default_factory=Counter)
 
     def add(self, kind: str, partition: str, detail: str) -> None:
         self.findings.append(Finding(kind, partition, detail))
@@ -78,6 +87,8 @@ class Verifier:
         self.store = store
         self.tokenizer = tokenizer
         self.report = Report()
+        # Per partition, each sample with an output: whether it was cut short and whether its prompt has turns.
+        self._outputs: dict[str, dict[str, tuple[bool, bool]]] = {}
 
     def partition(self, partition: Partition) -> None:
         """Check the store's outputs of one partition against its accepted prompts."""
@@ -85,6 +96,7 @@ class Verifier:
         expected = {job_id(name, prompt.sample_id): prompt for prompt in accepted_prompts(self.settings, partition)}
         holders: defaultdict[tuple[str, str], list[Path]] = defaultdict(list)
         found: set[str] = set()
+        outputs = self._outputs[name] = {}
         sampling: Counter[bytes] = Counter()
         servers: Counter[str] = Counter()
         models: Counter[str] = Counter()
@@ -102,6 +114,7 @@ class Verifier:
                 self.report.add("unexpected", name, f"{path.name}: sample {record.id!r} is no accepted prompt")
                 continue
             found.add(record.job_id)
+            outputs[sample_key(record.id)] = (is_truncated(record), prompt.messages is not None)
             self._check_input_ids(name, prompt, record)
             sampling[orjson.dumps(record.sampling_params, option=orjson.OPT_SORT_KEYS)] += 1
             servers[record.server] += 1
@@ -131,7 +144,7 @@ class Verifier:
             self.report.add("unexpected", name, f"{path}: no {name}.jsonl in {self.settings.data_dir}")
 
     def export(self, out: Path, partitions: list[Partition]) -> None:
-        """Check `out/<partition>.jsonl` of each partition against its accepted prompts and the manifest."""
+        """Check `out/<partition>.jsonl` of each partition (already checked by `partition`) against its outputs."""
         manifest = read_manifest(out)
         if manifest is None:
             self.report.add("export", "", f"{out}: no manifest.json")
@@ -143,28 +156,46 @@ class Verifier:
                     "export", "", f"{out}: exported with another tokenizer than {self.tokenizer.name} as it is now"
                 )
         for partition in partitions:
-            self._export_file(out, partition, entries.get(partition.name), manifest)
+            self._export_file(out, partition.name, manifest, entries.get(partition.name))
 
-    def _export_file(self, out: Path, partition: Partition, entry: dict | None, manifest: dict | None) -> None:
-        name = partition.name
+    def _export_file(self, out: Path, name: str, manifest: dict | None, entry: dict | None) -> None:
         path = out / f"{name}.jsonl"
         if not path.exists():
             self.report.add("export", name, f"{path} does not exist")
             return
-        data = path.read_bytes()
-        ids = Counter(sample_key(orjson.loads(line)["id"]) for line in data.splitlines() if line.strip())
-        prompts = accepted_prompts(self.settings, partition)
-        accepted = {sample_key(prompt.sample_id) for prompt in prompts}
-        if manifest is not None and manifest["format"] == "sharegpt":
-            # ShareGPT cannot show input_ids-only prompts: the export leaves them out.
-            accepted -= {sample_key(prompt.sample_id) for prompt in prompts if prompt.messages is None}
+        options = ExportOptions(manifest["format"], **manifest["options"]) if manifest else None
+        outputs = self._outputs.get(name, {})
+        digest = hashlib.sha256()
+        ids: Counter[str] = Counter()
+        with open(path, "rb") as file:
+            for number, line in enumerate(file, 1):
+                digest.update(line)
+                if not line.strip():
+                    continue
+                try:
+                    row = orjson.loads(line)
+                except orjson.JSONDecodeError as error:
+                    self.report.add("export", name, f"{path.name}:{number} is not JSON: {error}")
+                    continue
+                options = options or ExportOptions(_format_of(row))
+                sample = sample_key(row.get("id"))
+                ids[sample] += 1
+                if ids[sample] == 1:
+                    self._export_row(
+                        f"{path.name}:{number} (id {sample!r})", name, sample, row, options, sample in outputs
+                    )
+        self.report.exported_rows[name] += sum(ids.values())
         for sample, count in sorted(ids.items()):
             if count > 1:
                 self.report.add("export", name, f"{path.name}: id {sample!r} appears {count} times")
-            if sample not in accepted:
-                self.report.add("export", name, f"{path.name}: id {sample!r} is no accepted prompt")
-        if lacking := accepted - set(ids):
-            self.report.add("export", name, f"{path.name} lacks {len(lacking)} accepted prompts: {_some(lacking)}")
+        if options is not None:
+            wanted = {
+                sample
+                for sample, (truncated, has_turns) in outputs.items()
+                if (options.keeps_truncated or not truncated) and (has_turns or options.format != "sharegpt")
+            }
+            if lacking := wanted - set(ids):
+                self.report.add("export", name, f"{path.name} lacks {len(lacking)} of its samples: {_some(lacking)}")
         if manifest is None:
             return
         if entry is None:
@@ -174,8 +205,23 @@ class Verifier:
             self.report.add(
                 "export", name, f"manifest says {entry['records']} records, {path.name} has {sum(ids.values())}"
             )
-        if entry["sha256"] != hashlib.sha256(data).hexdigest():
+        if entry["sha256"] != digest.hexdigest():
             self.report.add("export", name, f"{path.name} changed since it was exported (SHA-256 differs)")
+
+    def _export_row(
+        self, where: str, name: str, sample: str, row: dict, options: ExportOptions, has_output: bool
+    ) -> None:
+        """One exported row against the output it was made from."""
+        record = self.store.load(name, job_id(name, sample)) if has_output else None
+        if record is None:
+            self.report.add("export", name, f"{where} is no accepted prompt with an output")
+            return
+        if not options.keeps(record):
+            self.report.add("export", name, f"{where} was cut at max_new_tokens, which this export leaves out")
+        difference = drift(options.format, row, record, self.tokenizer)
+        if difference:
+            kind = "tokens" if options.format in ("specforge", "raw") else "drift"
+            self.report.add(kind, name, f"{where}: {difference}")
 
     def _read(self, partition: str, path: Path) -> OutputRecord | None:
         self.report.outputs += 1
@@ -223,6 +269,12 @@ def render(report: Report, partitions: int, show: int) -> str:
         lines.append(heading)
         for kind, findings in groups:
             lines.append(f"  {kinds[kind]} ({len(findings)}):")
+            if kind in ("drift", "tokens"):
+                per_partition = Counter(finding.partition for finding in findings)
+                lines += [
+                    f"    {name}: {count} of {report.exported_rows[name]} rows"
+                    for name, count in sorted(per_partition.items())
+                ]
             for finding in findings[:show]:
                 lines.append(f"    {finding.partition + ': ' if finding.partition else ''}{finding.detail}")
             if len(findings) > show:
@@ -231,6 +283,14 @@ def render(report: Report, partitions: int, show: int) -> str:
     summary = f"{report.outputs} outputs of {partitions} partitions"
     lines.append(f"verify: {count} problems in {summary}" if count else f"verify: all good, {summary}")
     return "\n".join(lines)
+
+
+def _format_of(row: dict) -> str:
+    """An export's format from the fields of its rows, when no manifest says it."""
+    for field_name, export_format in (("loss_mask", "specforge"), ("text", "text"), ("conversations", "sharegpt")):
+        if field_name in row:
+            return export_format
+    return "raw"
 
 
 def _some(values: set[str], shown: int = 5) -> str:

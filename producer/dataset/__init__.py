@@ -1,0 +1,1 @@
+"""Completed outputs -> datasets: the export formats, the manifest beside them, and verify."""
