@@ -271,7 +271,8 @@ def test_a_bad_out_directory_or_tokenizer_fails_with_one_line(fleet: Fleet):
 def test_the_pipeline_exports_what_the_server_generated(fleet: Fleet, start_simulator: Callable[..., Simulator]):
     simulator = start_simulator("--min-output-tokens", "4", "--max-output-tokens", "24")
     fleet.point_at(simulator)
-    weather = [{"messages": [{"role": "user", "content": f"Weather in city {n}?"}], "tools": [WEATHER]} for n in range(6)]
+    cities = [[{"role": "user", "content": f"Weather in city {n}?"}] for n in range(6)]
+    weather = [{"messages": messages, "tools": [WEATHER]} for messages in cities]
     fleet.write_partition("p", [*({"id": f"q{n}", "prompt": f"Question {n}?"} for n in range(7)), *weather])
     fleet.producer("enqueue")
     assert fleet.start_worker("--burst").wait(timeout=60) == 0
