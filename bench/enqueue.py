@@ -6,14 +6,13 @@ and enqueueing. It is then run again: every prompt is already queued, so nothing
 reference is RQ's `Queue.enqueue_many` for the same number of jobs with the same arguments, which
 is neither idempotent nor safe against two producers at once.
 
-    python bench/enqueue.py [--prompts 100000]
+    python -m bench.enqueue [--prompts 100000]
 """
 
 from __future__ import annotations
 
 import argparse
 import random
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -21,10 +20,8 @@ from pathlib import Path
 from rq import Queue
 from rq.serializers import JSONSerializer
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from common.keys import JOB_FUNCTION, job_id
-from tests.support import Fleet, RedisServer
+from common.protocol.keys import JOB_FUNCTION, job_id
+from tests.harness import Fleet, RedisServer
 
 PROMPT_TOKENS = 300
 
@@ -86,7 +83,7 @@ def main() -> None:
     print(f"{'python -m producer enqueue (again: nothing to do)':<46}{again:>10.1f}{args.prompts / again:>12.0f}")
     print(f"{'RQ Queue.enqueue_many, in process':<46}{reference:>10.1f}{args.prompts / reference:>12.0f}")
     print(f"\nfirst run / enqueue_many time: {first / reference:.2f}x (the producer's time includes its start-up)")
-    print(f"reproduce: python bench/enqueue.py --prompts {args.prompts}")
+    print(f"reproduce: python -m bench.enqueue --prompts {args.prompts}")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ Measures, for the same prompts and the same simulator settings:
 The fleet's figures include everything it does per job that the baseline does not: Redis claim and
 bookkeeping, leases, and an fsynced write-once commit.
 
-    python bench/fleet.py [--prompts 4000] [--token-latency 0.01] [--output-tokens 100 300]
+    python -m bench.fleet [--prompts 4000] [--token-latency 0.01] [--output-tokens 100 300]
 """
 
 from __future__ import annotations
@@ -32,10 +32,8 @@ import orjson
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from common.keys import job_id
-from tests.support import ROOT, Fleet, RedisServer, Simulator, wait_until
+from common.protocol.keys import job_id
+from tests.harness import ROOT, Fleet, RedisServer, Simulator, wait_until
 
 SHORT, LONG = 150, 32
 
@@ -204,7 +202,7 @@ def main() -> None:
         ratio = ours / theirs if theirs == theirs and theirs else float("nan")
         print(f"{metric:<34}{ours:>14.3f}{theirs:>14.3f}{ratio:>12.3f}  {target}")
     print(
-        f"\nreproduce: python bench/fleet.py --prompts {args.prompts} --token-latency {args.token_latency} "
+        f"\nreproduce: python -m bench.fleet --prompts {args.prompts} --token-latency {args.token_latency} "
         f"--output-tokens {args.output_tokens[0]} {args.output_tokens[1]}"
     )
     print(f"(peak RSS via wait4 ru_maxrss; CPU = user + system of the worker or client process; files in {directory})")

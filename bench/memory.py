@@ -6,7 +6,7 @@ sampled while N requests are in flight at the simulator, as the sum over the pro
 (pages shared between forks counted in each process, as `ps` shows them) and of PSS (shared pages
 split between the processes that share them: the fair total).
 
-    python bench/memory.py [--in-flight 182] [--pool-workers 32]
+    python -m bench.memory [--in-flight 182] [--pool-workers 32]
 
 The pool side runs `--pool-workers` workers (182 forked workers do not fit a small machine well); its
 per-job figure is scaled to `--in-flight` in the last column.
@@ -16,17 +16,14 @@ from __future__ import annotations
 
 import argparse
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 from redis import Redis
 from rq import Queue
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from bench.plain_job import generate
-from tests.support import ROOT, Fleet, RedisServer, Simulator, wait_until
+from tests.harness import ROOT, Fleet, RedisServer, Simulator, wait_until
 
 SLOW = ["--token-latency", "0.05", "--min-output-tokens", "400", "--max-output-tokens", "400", "--max-running", "2000"]
 
@@ -108,7 +105,7 @@ def main() -> None:
     label = f"rq worker-pool -n {args.pool_workers}"
     print(f"{label:<28}{args.pool_workers:>10}{pool_rss:>10.1f}{pool_pss:>10.1f}{pool_pss * scale:>14.1f}")
     print(f"\nratio at {args.in_flight} in flight (pool PSS / FleetWorker PSS): {pool_pss * scale / fleet_pss:.1f}x")
-    print(f"reproduce: python bench/memory.py --in-flight {args.in_flight} --pool-workers {args.pool_workers}")
+    print(f"reproduce: python -m bench.memory --in-flight {args.in_flight} --pool-workers {args.pool_workers}")
 
 
 if __name__ == "__main__":

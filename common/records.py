@@ -1,4 +1,12 @@
-"""The two records that cross process boundaries: a generation job's arguments and a committed output."""
+"""Every record one process writes and another reads: through Redis or through the output store.
+
+- GenerationJob: the producer's job arguments, read by a worker;
+- GenerationResult: what a worker returns for a job (RQ keeps it as the job's result);
+- OutputRecord: a committed sample, read by export, verify and status;
+- WorkerReport: a worker's own report, refreshed every heartbeat, read by `status`;
+- ServerMetrics: the supervisor's view of its server and the server's decode figures, read by `status`;
+- Totals: the running totals of committed samples and tokens, read by `status`.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +14,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 
 class GenerationJob(BaseModel):
@@ -54,3 +62,94 @@ class OutputRecord(BaseModel):
     @classmethod
     def from_json(cls, data: bytes) -> OutputRecord:
         return cls.model_validate(orjson.loads(data))
+
+
+class GenerationResult(BaseModel):
+    """The result of one generation job: whether this execution committed the sample, and what it made."""
+
+    committed: bool
+    # Another execution committed the sample first: this one's output was discarded.
+    duplicate: bool = False
+    # Why nothing was generated, when the sample was found committed before generating.
+    skipped: str | None = None
+    finish_reason: str | None = None
+    completion_tokens: int = 0
+
+
+class ServerSeen(BaseModel):
+    """One server as one worker sees it."""
+
+    url: str
+    healthy: bool
+    in_flight: int = 0
+    down_since: float | None = None
+
+
+class WorkerReport(BaseModel):
+    """A FleetWorker's report of itself (`worker_state_key`), expiring with its heartbeat."""
+
+    name: str
+    host: str | None = None
+    pid: int | None = None
+    queues: list[str] = Field(default_factory=list)
+    in_flight: dict[str, int] = Field(default_factory=dict)
+    slots: dict[str, int] = Field(default_factory=dict)
+    servers: list[ServerSeen] = Field(default_factory=list)
+    # UNIX time of the worker's clock at its last heartbeat.
+    heartbeat_at: float
+
+    def to_json(self) -> bytes:
+        return orjson.dumps(self.model_dump(mode="json"))
+
+
+class ServerMetrics(BaseModel):
+    """The Redis hash of one server (`server_metrics_key`): every field optional, each written when known.
+
+    The supervisor writes its own view (state, reason, pid, restarts, mem_fraction_static, state_at) and the
+    figures of the latest decode line in SGLang's log (the rest, with updated_at).
+    """
+
+    state: str | None = None
+    reason: str | None = None
+    pid: int | None = None
+    restarts: int | None = None
+    mem_fraction_static: float | None = None
+    state_at: float | None = None
+    running_req: float | None = None
+    token: float | None = None
+    token_usage: float | None = None
+    cuda_graph: str | None = None
+    gen_throughput: float | None = None
+    queue_req: float | None = None
+    updated_at: float | None = None
+
+    def to_hash(self) -> dict[str, str | int | float]:
+        """The fields that are set, as HSET takes them."""
+        return self.model_dump(exclude_none=True)
+
+    @classmethod
+    def parse(cls, values: dict[str, Any]) -> ServerMetrics:
+        """The known fields that parse: one that does not (a log line SGLang changed) is left unknown."""
+        known = {name: value for name, value in values.items() if name in cls.model_fields}
+        try:
+            return cls.model_validate(known)
+        except ValidationError as error:
+            bad = {str(item["loc"][0]) for item in error.errors()}
+            return cls.model_validate({name: value for name, value in known.items() if name not in bad})
+
+    @classmethod
+    def from_hash(cls, fields: dict[bytes, bytes]) -> ServerMetrics:
+        return cls.parse({key.decode(): value.decode() for key, value in fields.items()})
+
+
+class Totals(BaseModel):
+    """The running totals of committed samples and generated tokens (`TOTALS_KEY`), for throughput."""
+
+    samples: int = 0
+    tokens: int = 0
+    # UNIX time of the first commit of the run.
+    first_at: float | None = None
+
+    @classmethod
+    def from_hash(cls, fields: dict[bytes, bytes]) -> Totals:
+        return cls.model_validate({key.decode(): value.decode() for key, value in fields.items()})

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import orjson
@@ -34,11 +35,14 @@ def enqueue(args: argparse.Namespace) -> int:
         connect(settings), settings, ChatTokenizer(settings.tokenizer), OutputStore(settings.samples_dir)
     )
     columns = ("partition", "total", "done", "queued/running", "failed", "enqueued", "rejected")
-    print(_row(columns))
+    if not args.json:
+        print(_row(columns))
     summaries: list[PartitionSummary] = []
     for partition in partitions:
         summary = enqueuer.enqueue(partition)
         summaries.append(summary)
+        if args.json:
+            continue
         print(
             _row(
                 (
@@ -56,12 +60,14 @@ def enqueue(args: argparse.Namespace) -> int:
             print(f"  rejected {reject}")
         if len(summary.rejects) > args.show_rejects:
             print(f"  ... {len(summary.rejects) - args.show_rejects} more in {settings.rejects_dir}")
+    if args.json:
+        _print_json({"partitions": {summary.partition: summary.to_json() for summary in summaries}})
     return 0
 
 
 def status(args: argparse.Namespace) -> int:
-    from producer.status import collect_status
-    from producer.status_view import render
+    from producer.console.screen import render
+    from producer.console.status import collect_status
 
     settings = get_settings()
     connection = connect(settings)
@@ -82,10 +88,13 @@ def status(args: argparse.Namespace) -> int:
 
 
 def retry_failed(args: argparse.Namespace) -> int:
-    from producer.failed import retry_failed as retry
+    from producer.console.retry import retry_failed as retry
 
     settings = get_settings()
     summary = retry(connect(settings), OutputStore(settings.samples_dir), args.partition, args.cause)
+    if args.json:
+        _print_json(asdict(summary))
+        return 0
     per_partition = ", ".join(f"{name}: {count}" for name, count in sorted(summary.retried.items()))
     print(f"requeued {summary.retried.total()} failed jobs" + (f" ({per_partition})" if per_partition else ""))
     if summary.already_done:
@@ -98,8 +107,8 @@ def retry_failed(args: argparse.Namespace) -> int:
 
 
 def cancel(args: argparse.Namespace) -> int:
-    from producer.cancel import cancel_queued
-    from producer.census import PartitionResolver, recorded_partitions, take_census
+    from producer.console.cancel import cancel_queued
+    from producer.console.census import PartitionResolver, recorded_partitions, take_census
 
     settings = get_settings()
     connection = connect(settings)
@@ -108,6 +117,10 @@ def cancel(args: argparse.Namespace) -> int:
     # Every recorded partition, not only the canceled ones: a job of `p--x` must not count as one of `p`'s.
     resolver = PartitionResolver(connection, set(recorded_partitions(connection)) | set(args.partition))
     census = take_census(connection, resolver, seconds, 0, settings.result_ttl)
+    if args.json:
+        in_flight = {name: len(census.in_flight[name]) for name in args.partition}
+        _print_json({"canceled": {name: canceled[name] for name in args.partition}, "in_flight": in_flight})
+        return 0
     for name in args.partition:
         print(
             f"{name}: canceled {canceled[name]} queued jobs; {len(census.in_flight[name])} in flight will finish"
@@ -180,6 +193,10 @@ def verify(args: argparse.Namespace) -> int:
     return 1 if verifier.report.problems else 0
 
 
+def _print_json(value: object) -> None:
+    print(orjson.dumps(value, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS).decode())
+
+
 def _row(cells: tuple[object, ...]) -> str:
     first, *rest = cells
     return f"{first!s:<24}" + "".join(f"{cell!s:>16}" for cell in rest)
@@ -193,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     command = commands.add_parser("enqueue", help="enqueue every pending prompt of the partitions")
     command.add_argument("--partition", **partitions)
     command.add_argument("--show-rejects", type=int, default=5, metavar="N", help="rejects to print per partition")
+    command.add_argument("--json", action="store_true", help="print one JSON object instead")
     command.set_defaults(run=enqueue)
 
     command = commands.add_parser("status", help="progress, throughput, workers, servers and failures at a glance")
@@ -205,10 +223,12 @@ def main(argv: list[str] | None = None) -> int:
     command = commands.add_parser("retry-failed", help="put failed jobs back in their queues")
     command.add_argument("--partition", nargs="+", help="only these partitions")
     command.add_argument("--cause", help="only failures whose cause or message contains this text")
+    command.add_argument("--json", action="store_true", help="print one JSON object instead")
     command.set_defaults(run=retry_failed)
 
     command = commands.add_parser("cancel", help="remove a partition's queued jobs; jobs in flight finish")
     command.add_argument("--partition", nargs="+", required=True, help="partition names")
+    command.add_argument("--json", action="store_true", help="print one JSON object instead")
     command.set_defaults(run=cancel)
 
     command = commands.add_parser("export", help="write DIR/<partition>.jsonl and DIR/manifest.json")

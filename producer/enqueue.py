@@ -8,7 +8,7 @@ step: two producers running at once cannot both push a job.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +20,15 @@ from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 from tqdm import tqdm
 
-from common.keys import JOB_FUNCTION, QUEUES, job_id, partition_key
+from common.protocol import scripts
+from common.protocol.keys import (
+    JOB_FUNCTION,
+    PENDING,
+    QUEUES,
+    REQUEUES_AFTER_WORKER_DEATH,
+    job_id,
+    partition_key,
+)
 from common.records import GenerationJob
 from common.settings import Settings
 from common.store import OutputStore
@@ -31,39 +39,6 @@ from producer.rejects import write_rejects
 if TYPE_CHECKING:
     # Only a type here: importing transformers takes a second or two, and retry-failed reads this module.
     from producer.tokenizer import ChatTokenizer
-
-# A job whose worker died is put back in its queue by RQ's StartedJobRegistry.cleanup, which spends
-# one retry each time; generation failures are retried inside the worker and never use this budget.
-REQUEUES_AFTER_WORKER_DEATH = 100
-
-# A job in one of these states is someone's to finish: it is left alone.
-PENDING = {JobStatus.QUEUED, JobStatus.STARTED, JobStatus.SCHEDULED, JobStatus.DEFERRED}
-
-# KEYS: job hash, queue list, RQ's set of queues, the finished and canceled registries, then every
-# queue's failed registry. ARGV: job ID, then the job hash as field, value, ...
-# Returns the status that made it skip the job, or "enqueued". A failed job in no failed registry is
-# lost (e.g. RQ's own requeue interrupted between its steps): retry-failed cannot see it, so it is
-# created and queued again.
-ENQUEUE_SCRIPT = """
-local status = redis.call('HGET', KEYS[1], 'status')
-if status == 'queued' or status == 'started' or status == 'scheduled' or status == 'deferred' then
-    return status
-end
-if status == 'failed' then
-    for i = 6, #KEYS do
-        if redis.call('ZSCORE', KEYS[i], ARGV[1]) then
-            return status
-        end
-    end
-end
-redis.call('DEL', KEYS[1])
-redis.call('HSET', KEYS[1], unpack(ARGV, 2))
-redis.call('ZREM', KEYS[4], ARGV[1])
-redis.call('ZREM', KEYS[5], ARGV[1])
-redis.call('SADD', KEYS[3], KEYS[2])
-redis.call('RPUSH', KEYS[2], ARGV[1])
-return 'enqueued'
-"""
 
 
 @dataclass
@@ -76,6 +51,10 @@ class PartitionSummary:
     enqueued: int = 0
     rejected: int = 0
     rejects: list[Reject] = field(default_factory=list, repr=False)
+
+    def to_json(self) -> dict[str, Any]:
+        """The counts, and each reject with its file, line, reason and sample id."""
+        return asdict(self)
 
 
 @dataclass
@@ -98,7 +77,7 @@ class Enqueuer:
         self.tokenizer = tokenizer
         self.store = store
         self.batch_size = batch_size
-        self.script = connection.register_script(ENQUEUE_SCRIPT)
+        self.script = connection.register_script(scripts.ENQUEUE)
         # Every queue's, not only the partition's own: the partition may have changed queues since its job failed.
         self.failed_registries = [
             FailedJobRegistry(name, connection=connection, serializer=JSONSerializer).key for name in QUEUES

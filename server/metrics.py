@@ -19,7 +19,8 @@ from pathlib import Path
 
 import redis
 
-from common.keys import server_metrics_key
+from common.protocol.keys import server_metrics_key
+from common.records import ServerMetrics
 
 _DECODE = re.compile(r"Decode batch(?: \[\d+\])?[.,] (?P<fields>#running-req: .*)")
 # The figures kept, by their label in the log; others (speculative decoding, disaggregation) are skipped.
@@ -73,7 +74,7 @@ class LogFollower:
         return [line.decode(errors="replace") for line in complete]
 
 
-class ServerMetrics:
+class MetricsHash:
     """The Redis hash of one server. Redis being away costs the metrics, never the supervision."""
 
     def __init__(self, client: redis.Redis, url: str, say: Callable[[str], None]) -> None:
@@ -83,14 +84,14 @@ class ServerMetrics:
         self.failing = False
 
     def decode(self, fields: dict[str, str]) -> None:
-        self._write({**fields, "updated_at": time.time()})
+        self._write(ServerMetrics.parse({**fields, "updated_at": time.time()}))
 
     def state(self, state: str, **fields: str | int | float) -> None:
-        self._write({"state": state, "state_at": time.time(), **fields})
+        self._write(ServerMetrics.parse({"state": state, "state_at": time.time(), **fields}))
 
-    def _write(self, mapping: dict[str, str | int | float]) -> None:
+    def _write(self, metrics: ServerMetrics) -> None:
         try:
-            self.client.hset(self.key, mapping=mapping)
+            self.client.hset(self.key, mapping=metrics.to_hash())
         except redis.RedisError as error:
             if not self.failing:
                 self.say(f"cannot store server metrics in Redis: {error}")

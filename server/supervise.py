@@ -23,7 +23,7 @@ import redis
 from common.settings import Settings, get_settings
 from server.gpu import GpuProbe, GpuProbeError, gpu_probe, wait_for_free_gpus
 from server.launch import HEALTH_TIMEOUT, check_plan, healthy, masked, server_command, server_url
-from server.metrics import LogFollower, ServerMetrics, is_out_of_memory, parse_decode
+from server.metrics import LogFollower, MetricsHash, is_out_of_memory, parse_decode
 from server.process import start_logged, stop_group
 
 # How often the log is read and the process looked at, between health checks.
@@ -40,7 +40,7 @@ class Outcome:
 
 
 class Supervisor:
-    def __init__(self, settings: Settings, probe: GpuProbe, metrics: ServerMetrics, say: Callable[[str], None]) -> None:
+    def __init__(self, settings: Settings, probe: GpuProbe, metrics: MetricsHash, say: Callable[[str], None]) -> None:
         self.settings = settings
         self.probe = probe
         self.metrics = metrics
@@ -186,7 +186,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     settings = get_settings()
     client = redis.Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=5)
-    metrics = ServerMetrics(client, args.url or server_url(settings), say)
+    metrics = MetricsHash(client, args.url or server_url(settings), say)
     supervisor = Supervisor(settings, gpu_probe(settings.gpu_probe_file), metrics, say)
 
     def stop(signum: int, frame: FrameType | None) -> None:

@@ -6,7 +6,17 @@ from pathlib import Path
 import pytest
 import redis
 
-from tests.support import Fleet, RedisServer, Simulator
+from tests.harness import Fleet, RedisServer, Simulator
+
+# A test that uses one of these starts real processes: it belongs to the end-to-end tier.
+PROCESS_FIXTURES = {"redis_server", "redis_client", "fleet", "start_simulator"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark the tests that start processes `e2e`: `scripts/test.sh -m "not e2e"` runs the fast tier alone."""
+    for item in items:
+        if PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.e2e)
 
 
 @pytest.fixture(scope="session")

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import httpx
 
-from common.keys import job_id
-from tests.support import Fleet, ManagedProcess, RedisServer, Simulator, free_port, wait_until
+from common.protocol.keys import job_id
+from tests.harness import Fleet, ManagedProcess, RedisServer, Simulator, free_port, wait_until
 
 
 def test_rq_dashboard_lists_the_fleets_queues_and_reads_its_json_jobs(

@@ -11,12 +11,12 @@ import httpx
 import orjson
 import pytest
 
-from common.keys import job_id
+from common.protocol.keys import job_id
 from common.records import OutputRecord
 from common.store import OutputStore
 from producer.prompts import parse_record
 from producer.tokenizer import ChatTokenizer
-from tests.support import ROOT, Fleet, Simulator, bpe_tokenizer
+from tests.harness import ROOT, Fleet, Simulator, bpe_tokenizer
 
 TOKENIZER = str(ROOT / "sample" / "tokenizer")
 WEATHER = {

@@ -21,12 +21,11 @@ from rq.registry import FailedJobRegistry
 from rq.results import Result
 from rq.serializers import JSONSerializer
 
-from common.keys import JOB_FUNCTION, job_id
+from common.protocol.keys import JOB_FUNCTION, REQUEUES_AFTER_WORKER_DEATH, job_id
 from common.records import OutputRecord
 from common.store import OutputStore
-from producer.enqueue import REQUEUES_AFTER_WORKER_DEATH
-from producer.failed import retry_failed
-from tests.support import Fleet, Simulator
+from producer.console.retry import retry_failed
+from tests.harness import Fleet, Simulator, counts
 
 Start = Callable[..., Simulator]
 FAILURE = "worker.sglang.PermanentError: http://127.0.0.1:1: HTTP 400: too long"
@@ -198,19 +197,10 @@ def test_cancel_removes_only_the_partitions_queued_jobs(fleet: Fleet, redis_clie
         redis_client.hset(Job.key_for(running), "status", "started")
         redis_client.zadd(started, {f"{running}:e1": time.time() + 60})
 
-    output = fleet.producer("cancel", "--partition", "p").stdout
+    assert fleet.producer_json("cancel", "--partition", "p") == {"canceled": {"p": 4}, "in_flight": {"p": 1}}
 
-    assert "p: canceled 4 queued jobs; 1 in flight will finish" in output
     assert queued(redis_client) == [job_id("p--x", f"x-{n}") for n in (1, 2)]
     assert [status_of(redis_client, job_id("p", f"p-{n}")) for n in range(5)] == ["started"] + ["canceled"] * 4
     assert "canceled 0 queued jobs" in fleet.producer("cancel", "--partition", "p").stdout
     # enqueue queues the canceled jobs again.
-    assert fleet.producer("enqueue", "--partition", "p").stdout.splitlines()[1].split() == [
-        "p",
-        "5",
-        "0",
-        "1",
-        "0",
-        "4",
-        "0",
-    ]
+    assert counts(fleet.producer_json("enqueue", "--partition", "p")["partitions"]["p"]) == (5, 0, 1, 0, 4, 0)

@@ -6,7 +6,7 @@ import signal
 import subprocess
 import sys
 
-from tests.support import ROOT, Fleet, Start, assert_exactly_once, prompts, wait_for_outputs, wait_until
+from tests.harness import ROOT, Fleet, Start, assert_exactly_once, prompts, wait_for_outputs, wait_until
 
 SLOW = ("--token-latency", "0.01", "--min-output-tokens", "40", "--max-output-tokens", "40")
 

@@ -23,8 +23,8 @@ from rq.job import Job
 from rq.registry import FailedJobRegistry, StartedJobRegistry
 from rq.serializers import JSONSerializer
 
-from common.keys import DUPLICATES_KEY, job_id
-from tests.support import (
+from common.protocol.keys import DUPLICATES_KEY, job_id
+from tests.harness import (
     ROOT,
     Fleet,
     ManagedProcess,
@@ -32,6 +32,7 @@ from tests.support import (
     Simulator,
     Start,
     assert_exactly_once,
+    counts,
     free_port,
     prompts,
     wait_for_outputs,
@@ -62,7 +63,7 @@ def test_exactly_once_end_to_end_with_two_workers(fleet: Fleet, start_simulator:
         digest = hashlib.sha1(orjson.dumps(record["input_ids"])).hexdigest()
         assert digest in simulator.stats()["inputs"]
     # A re-run finds everything done.
-    assert fleet.producer("enqueue").stdout.splitlines()[1].split() == ["p", "120", "120", "0", "0", "0", "0"]
+    assert counts(fleet.enqueued()) == (120, 120, 0, 0, 0, 0)
 
 
 @pytest.mark.parametrize("fault", ["--abort-rate", "--error-rate"])
@@ -106,7 +107,7 @@ def test_http_400_fails_the_job_with_the_servers_message(fleet: Fleet, start_sim
     job = Job.fetch(job_id("p", "long"), connection=redis_client, serializer=JSONSerializer)
     assert "HTTP 400" in job.latest_result().exc_string
     # A re-run of enqueue leaves the failed job alone.
-    assert fleet.producer("enqueue").stdout.splitlines()[1].split() == ["p", "2", "1", "0", "1", "0", "0"]
+    assert counts(fleet.enqueued()) == (2, 1, 0, 1, 0, 0)
 
 
 def test_server_killed_mid_run_and_restarted(fleet: Fleet, start_simulator: Start):
@@ -159,9 +160,9 @@ def test_redis_restarted_empty_mid_run_is_recovered_by_reenqueue(
     wait_for_outputs(fleet, "p", 5)
     redis_server.restart()  # no persistence: every job, queue and registry is gone
 
-    _, total, done, pending, failed, enqueued, rejected = fleet.producer("enqueue").stdout.splitlines()[1].split()
-    assert (total, pending, failed, rejected) == ("60", "0", "0", "0")
-    assert int(done) + int(enqueued) == 60 and int(enqueued) > 0
+    total, done, pending, failed, enqueued, rejected = counts(fleet.enqueued())
+    assert (total, pending, failed, rejected) == (60, 0, 0, 0)
+    assert done + enqueued == 60 and enqueued > 0
     wait_for_outputs(fleet, "p", 60)
     worker.signal(signal.SIGTERM)
     assert worker.wait(timeout=30) == 0
@@ -208,17 +209,23 @@ def test_worker_runs_nothing_but_the_generation_job(fleet: Fleet, start_simulato
     assert "FleetWorker runs only worker.jobs.generate" in failure
 
 
-def test_a_plain_rq_worker_started_by_mistake_destroys_no_job(fleet: Fleet, redis_client: redis.Redis):
+def test_a_plain_rq_worker_started_by_mistake_destroys_no_job(
+    fleet: Fleet, start_simulator: Start, redis_client: redis.Redis
+):
     fleet.write_partition("p", prompts(3))
     fleet.producer("enqueue")
     command = [sys.executable, "-m", "rq.cli", "worker", "--burst", "-u", fleet.env["FLEET_REDIS_URL"], "short"]
     subprocess.run(command, cwd=ROOT, env=fleet.env, capture_output=True, timeout=60, check=False)
-    # Whatever it did, every job still exists with its arguments, queued or failed, and a FleetWorker can
-    # still run it.
+    # Whatever it did, every job still exists with its arguments, queued or failed...
     for n in range(3):
         job = Job.fetch(job_id("p", f"p-{n}"), connection=redis_client, serializer=JSONSerializer)
         assert job.kwargs["sample_id"] == f"p-{n}"
         assert job.get_status() in ("queued", "failed")
+    # ...and once the failed ones are retried, a FleetWorker runs every one of them, once.
+    fleet.producer("retry-failed")
+    fleet.point_at(start_simulator())
+    assert fleet.start_worker("--burst").wait(timeout=60) == 0
+    assert_exactly_once(fleet, "p", [f"p-{n}" for n in range(3)])
 
 
 def test_a_wrong_api_key_stops_the_worker_without_failing_jobs(fleet: Fleet, start_simulator: Start, redis_client):

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from server.capacity import GIB, Machine, ModelShape, Plan, ServerConfig, Workload, kv_bytes_per_token, make_plan
-from tests.support import ROOT
+from tests.harness import ROOT
 
 # Kimi-K2.5's config.json: a DeepSeek-V3 language model under text_config, experts in INT4.
 KIMI_K25 = {
@@ -177,6 +177,7 @@ KIMI_FLAGS = ("--tp", "8", "--kv-cache-dtype", "bf16", "--gpu-mem-gb", "96", "--
 AVERAGES = ("--avg-short-tokens", "3000", "--avg-long-tokens", "12000")
 
 
+@pytest.mark.e2e
 def test_cli_json_of_the_working_configuration(kimi_dir: Path) -> None:
     result = plan_cli("--model", str(kimi_dir), *KIMI_FLAGS, "--hicache-size", "48", *AVERAGES, "--json")
     assert result.returncode == 0, result.stderr
@@ -190,6 +191,7 @@ def test_cli_json_of_the_working_configuration(kimi_dir: Path) -> None:
     assert report["recommended_concurrency"] == {"short": 28, "long": 6}
 
 
+@pytest.mark.e2e
 def test_cli_refuses_both_old_failures_one_line_each(kimi_dir: Path) -> None:
     flags = ("--model", str(kimi_dir), *KIMI_FLAGS, "--mem-fraction-static", "0.93", "--hicache-size", "300")
     result = plan_cli(*flags)
@@ -201,6 +203,7 @@ def test_cli_refuses_both_old_failures_one_line_each(kimi_dir: Path) -> None:
     assert "GPU KV capacity" in result.stdout
 
 
+@pytest.mark.e2e
 def test_cli_reads_weights_from_a_config_file(tmp_path: Path) -> None:
     config = tmp_path / "config.json"
     config.write_text(json.dumps(LLAMA_70B))
@@ -211,6 +214,7 @@ def test_cli_reads_weights_from_a_config_file(tmp_path: Path) -> None:
     assert json.loads(result.stdout)["kv_tokens_gpu"] == pytest.approx(433_925, abs=1)
 
 
+@pytest.mark.e2e
 def test_cli_without_gpus_needs_gpu_mem_gb(kimi_dir: Path, tmp_path: Path) -> None:
     probe = tmp_path / "gpus.json"
     probe.write_text(json.dumps({"gpus": []}))
@@ -220,6 +224,7 @@ def test_cli_without_gpus_needs_gpu_mem_gb(kimi_dir: Path, tmp_path: Path) -> No
     assert "no GPU visible" in line and "--gpu-mem-gb" in line
 
 
+@pytest.mark.e2e
 def test_cli_refuses_gpus_held_by_other_processes(kimi_dir: Path, tmp_path: Path) -> None:
     probe = tmp_path / "gpus.json"
     gpus = [{"total_gb": 96, "processes": [{"pid": 4242, "used_gb": 80}] if index == 3 else []} for index in range(8)]

@@ -12,11 +12,11 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 from transformers import AutoTokenizer
 
-from common.keys import job_id
+from common.protocol.keys import job_id
+from common.protocol.scripts import ENQUEUE as ENQUEUE_SCRIPT
 from common.records import OutputRecord
 from common.store import OutputStore
-from producer.enqueue import ENQUEUE_SCRIPT
-from tests.support import ROOT, Fleet
+from tests.harness import ROOT, Fleet, counts
 
 TOKENIZER = str(ROOT / "sample" / "tokenizer")
 
@@ -51,7 +51,7 @@ def test_every_kind_of_bad_record_is_rejected_with_file_line_and_reason(fleet: F
             {"id": "good-2", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "x"}]},
         ],
     )
-    result = fleet.producer("enqueue", "--partition", "mixed", "--show-rejects", "0")
+    result = fleet.producer("enqueue", "--partition", "mixed", "--json")
 
     rejects = [orjson.loads(line) for line in (fleet.output_dir / "rejects" / "mixed.jsonl").read_bytes().splitlines()]
     reasons = {reject["line"]: reject["reason"] for reject in rejects}
@@ -72,8 +72,7 @@ def test_every_kind_of_bad_record_is_rejected_with_file_line_and_reason(fleet: F
     assert "beyond the vocabulary" in reasons[14]
     assert "exceed the context length 32768" in reasons[15]
 
-    summary = result.stdout.splitlines()[1].split()
-    assert summary == ["mixed", "16", "0", "0", "0", "2", "14"]
+    assert counts(orjson.loads(result.stdout)["partitions"]["mixed"]) == (16, 0, 0, 0, 2, 14)
     assert sorted(queued(redis_client)) == sorted([job_id("mixed", "good-1"), job_id("mixed", "good-2")])
 
 
@@ -101,16 +100,14 @@ def test_chat_template_renders_messages_without_trailing_assistant_turns(fleet: 
 
 def test_enqueue_twice_leaves_one_job_per_prompt(fleet: Fleet, redis_client: redis.Redis):
     fleet.write_partition("p", [{"prompt": f"question {n}"} for n in range(50)])
-    first = fleet.producer("enqueue").stdout.splitlines()[1].split()
-    second = fleet.producer("enqueue").stdout.splitlines()[1].split()
-    assert first == ["p", "50", "0", "0", "0", "50", "0"]
-    assert second == ["p", "50", "0", "50", "0", "0", "0"]
+    assert counts(fleet.enqueued()) == (50, 0, 0, 0, 50, 0)
+    assert counts(fleet.enqueued()) == (50, 0, 50, 0, 0, 0)
     assert len(queued(redis_client)) == 50
 
 
 def test_concurrent_producers_enqueue_each_prompt_once(fleet: Fleet, redis_client: redis.Redis):
     fleet.write_partition("p", [{"prompt": f"question {n}"} for n in range(400)])
-    command = [sys.executable, "-m", "producer", "enqueue"]
+    command = [sys.executable, "-m", "producer", "enqueue", "--json"]
     producers = [
         subprocess.Popen(command, env=fleet.env, cwd=ROOT, stdout=subprocess.PIPE, text=True) for _ in range(3)
     ]
@@ -118,7 +115,7 @@ def test_concurrent_producers_enqueue_each_prompt_once(fleet: Fleet, redis_clien
     assert all(process.returncode == 0 for process in producers)
     ids = queued(redis_client)
     assert len(ids) == 400 == len(set(ids))
-    enqueued = [int(output.splitlines()[1].split()[5]) for output in outputs]
+    enqueued = [orjson.loads(output)["partitions"]["p"]["enqueued"] for output in outputs]
     assert sum(enqueued) == 400
 
 
@@ -141,8 +138,7 @@ def test_completed_samples_are_not_enqueued(fleet: Fleet, redis_client: redis.Re
                 server="x",
             )
         )
-    summary = fleet.producer("enqueue").stdout.splitlines()[1].split()
-    assert summary == ["p", "5", "2", "0", "0", "3", "0"]
+    assert counts(fleet.enqueued()) == (5, 2, 0, 0, 3, 0)
     assert sorted(queued(redis_client)) == sorted(job_id("p", n) for n in (0, 2, 4))
 
 
@@ -187,9 +183,9 @@ def test_a_failed_job_lost_from_the_failed_registry_is_enqueued_again(fleet: Fle
     # `lost` is as RQ's own requeue leaves a job interrupted after its ZREM: failed, in no registry and no queue.
     redis_client.zadd("rq:failed:short", {listed: time.time() + 3600})
 
-    summary = fleet.producer("enqueue").stdout.splitlines()[1].split()
+    summary = counts(fleet.enqueued())
 
-    assert summary == ["p", "3", "0", "1", "1", "1", "0"]
+    assert summary == (3, 0, 1, 1, 1, 0)
     assert queued(redis_client) == [job_id("p", 2), lost]
     assert redis_client.hget(Job.key_for(lost), "status") == b"queued"
     # A failed job in the registry is retry-failed's: the script itself leaves it alone too.

@@ -16,7 +16,7 @@ import orjson
 import pytest
 from transformers import AutoTokenizer
 
-from tests.support import ROOT, Simulator, wait_until
+from tests.harness import ROOT, Simulator, wait_until
 
 StartSimulator = Callable[..., Simulator]
 TOKENIZER = AutoTokenizer.from_pretrained(ROOT / "sample" / "tokenizer")

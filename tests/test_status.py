@@ -7,16 +7,18 @@ import time
 from collections.abc import Callable
 
 import orjson
+import pytest
 import redis
 from rq import Worker
 from rq.queue import Queue
 
-from common.keys import server_metrics_key, worker_state_key
+from common.protocol.keys import server_metrics_key, worker_state_key
+from common.records import WorkerReport
 from common.settings import Settings
 from common.store import OutputStore
-from producer.status import collect_status
-from producer.workers import list_workers
-from tests.support import Fleet, Simulator, wait_until
+from producer.console.roster import list_workers
+from producer.console.status import collect_status
+from tests.harness import Fleet, Simulator, wait_until
 
 Start = Callable[..., Simulator]
 
@@ -29,8 +31,8 @@ def settings_of(fleet: Fleet) -> Settings:
 
 
 def reported_in_flight(client: redis.Redis) -> dict[str, int] | None:
-    reports = [orjson.loads(client.get(key) or b"{}") for key in client.keys(worker_state_key("*"))]
-    return reports[0].get("in_flight") if len(reports) == 1 else None
+    reports = [WorkerReport.model_validate_json(raw) for raw in client.mget(client.keys(worker_state_key("*"))) if raw]
+    return reports[0].in_flight if len(reports) == 1 else None
 
 
 def status_json(fleet: Fleet) -> dict:
@@ -62,7 +64,9 @@ def test_status_counts_done_queued_in_flight_failed_and_rejected(fleet: Fleet, s
     assert {key: status["partitions"]["q"][key] for key in counts} == dict(zip(counts, (5, 0, 0, 3, 2, 0), strict=True))
     assert status["partitions"]["p"]["percent"] == 75.0 and status["partitions"]["p"]["unqueued"] == 0
     assert status["throughput"]["samples"] == 6 and status["throughput"]["samples_per_s"] > 0
-    assert "eta_s" in status and status["partitions"]["p"]["eta_s"] == 0.0
+    # Nothing of p is left to do; q's five jobs are left, at the pace of the whole fleet (q has finished none).
+    assert status["partitions"]["p"]["eta_s"] == 0.0 and status["partitions"]["q"]["eta_s"] is None
+    assert status["eta_s"] == pytest.approx(5 / status["throughput"]["samples_per_s"])
     [failure] = status["failures"]
     assert failure["count"] == 2 and failure["partitions"] == {"p": 2}
     assert failure["cause"].startswith("PermanentError: HTTP 400:") and "http://" not in failure["cause"]
@@ -146,17 +150,16 @@ def test_workers_are_listed_with_stale_dead_and_duplicate_ones_flagged(
 def test_in_flight_above_the_fleet_cap_is_a_problem(fleet: Fleet, redis_client: redis.Redis):
     fleet.env["FLEET_SHORT_CONCURRENCY"] = "150"
     for name in ("a", "b"):
-        report = {
-            "name": name,
-            "host": f"host-{name}",
-            "pid": 1,
-            "queues": ["short"],
-            "in_flight": {"short": 100},
-            "slots": {"short": 150},
-            "servers": [],
-            "heartbeat_at": time.time(),
-        }
-        redis_client.set(worker_state_key(name), orjson.dumps(report), ex=60)
+        report = WorkerReport(
+            name=name,
+            host=f"host-{name}",
+            pid=1,
+            queues=["short"],
+            in_flight={"short": 100},
+            slots={"short": 150},
+            heartbeat_at=time.time(),
+        )
+        redis_client.set(worker_state_key(name), report.to_json(), ex=60)
 
     settings = settings_of(fleet)
     status = collect_status(redis_client, settings, OutputStore(settings.samples_dir))

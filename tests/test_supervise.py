@@ -22,11 +22,12 @@ import pynvml
 import pytest
 import redis
 
-from common.keys import server_metrics_key
+from common.protocol.keys import server_metrics_key
+from common.records import ServerMetrics
 from server.capacity import GIB
 from server.gpu import GpuProbeError, GpuProcess, NvmlProbe, holders
 from server.metrics import is_out_of_memory, parse_decode
-from tests.support import ROOT, ManagedProcess, RedisServer, free_port, wait_until
+from tests.harness import ROOT, ManagedProcess, RedisServer, free_port, wait_until
 from tests.test_plan import KIMI_K25, KIMI_WEIGHTS
 
 STAND_IN = """
@@ -204,7 +205,9 @@ def fleet(tmp_path: Path, redis_server: RedisServer, redis_client: redis.Redis) 
 
 
 def metrics(client: redis.Redis, url: str) -> dict[str, str]:
-    return {key.decode(): value.decode() for key, value in client.hgetall(server_metrics_key(url)).items()}
+    """The server's hash as `status` reads it, its values as text."""
+    found = ServerMetrics.from_hash(client.hgetall(server_metrics_key(url)))
+    return {key: str(value) for key, value in found.model_dump(exclude_none=True).items()}
 
 
 def state_is(client: redis.Redis, url: str, state: str, **fields: str) -> Callable[[], bool]:
@@ -229,7 +232,7 @@ def test_restarts_the_server_after_it_is_killed_and_stores_decode_metrics(
     supervisor = fleet.start("supervise")
     wait_until(state_is(redis_client, fleet.url, "healthy"), timeout=30, what="the first start to be healthy")
     found = wait_until(lambda: metrics(redis_client, fleet.url).get("updated_at") and metrics(redis_client, fleet.url))
-    assert found["running_req"] == "7" and found["gen_throughput"] == "931.52" and found["queue_req"] == "2"
+    assert found["running_req"] == "7.0" and found["gen_throughput"] == "931.52" and found["queue_req"] == "2.0"
 
     [first] = fleet.starts()
     os.kill(first["pid"], signal.SIGKILL)

@@ -9,11 +9,11 @@ from pathlib import Path
 import orjson
 import pytest
 
-from common.keys import job_id
+from common.protocol.keys import job_id
 from common.settings import get_settings
 from common.store import OutputStore
 from producer.__main__ import main
-from tests.support import ROOT, Fleet, Simulator
+from tests.harness import ROOT, Fleet, Simulator
 
 Start = Callable[..., Simulator]
 Verify = Callable[..., tuple[int, str]]

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from common.connection import RedisUnavailable, connect
-from common.keys import QUEUES
+from common.protocol.keys import QUEUES
 from common.settings import get_settings
 from worker.fleet import FleetWorker
 

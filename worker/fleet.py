@@ -25,28 +25,25 @@ from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any
 
-import orjson
 from pydantic import ValidationError
 from rq import Queue, Worker
-from rq.defaults import DEFAULT_FAILURE_TTL
 from rq.exceptions import DeserializationError
-from rq.job import Job, JobStatus
+from rq.job import Job
 from rq.logutils import setup_loghandlers
-from rq.results import Result
 from rq.serializers import JSONSerializer
-from rq.utils import utcformat
 
-from common.keys import (
+from common.protocol import outcomes
+from common.protocol.keys import (
     COMPLETIONS_KEY,
     COMPLETIONS_MAXLEN,
     DUPLICATES_KEY,
     JOB_FUNCTION,
-    PREFIX,
+    REAPER_LOCK,
     TOTALS_KEY,
     job_id,
     worker_state_key,
 )
-from common.records import GenerationJob
+from common.records import GenerationJob, GenerationResult, ServerSeen, WorkerReport
 from common.settings import Settings, get_settings
 from common.store import OutputStore
 from worker.generation import Generator
@@ -58,8 +55,6 @@ log = logging.getLogger(__name__)
 
 # How long an idle worker waits before looking at empty queues again.
 POLL_INTERVAL = 0.2
-# One worker at a time reaps lapsed leases; the reaping is atomic, this only saves the others the work.
-REAPER_LOCK = f"{PREFIX}:reaper"
 
 
 class FleetWorker(Worker):
@@ -219,32 +214,17 @@ class FleetWorker(Worker):
             self.running[lease.queue.name] -= 1
         self._slot_freed.set()
 
-    def _record_success(self, job: Job, lease: Lease, result: dict[str, Any]) -> None:
+    def _record_success(self, job: Job, lease: Lease, result: GenerationResult) -> None:
         ended_at = datetime.now(UTC)
-        ttl = self.settings.result_ttl
+        execution = {"execution_id": lease.execution_id, "started_at": lease.started_at, "ended_at": ended_at}
         with self.connection.pipeline() as pipeline:
-            # What RQ's Job._handle_success does, less re-saving the whole job: its input_ids are unchanged.
-            job.set_status(JobStatus.FINISHED, pipeline=pipeline)
-            pipeline.hset(job.key, "ended_at", utcformat(ended_at))
-            Result.create(
-                job,
-                Result.Type.SUCCESSFUL,
-                ttl,
-                return_value=result,
-                worker_name=self.name,
-                pipeline=pipeline,
-                execution_id=lease.execution_id,
-                execution_started_at=lease.started_at,
-                execution_ended_at=ended_at,
-            )
-            job.finished_job_registry.add(job, ttl, pipeline)
-            job.cleanup(ttl, pipeline=pipeline, remove_from_queue=False)
+            outcomes.record_success(pipeline, job, result, self.settings.result_ttl, self.name, **execution)
             self.leases.finish(pipeline, lease)
-            if result.get("duplicate"):
+            if result.duplicate:
                 pipeline.incr(DUPLICATES_KEY)
-            if result["committed"]:
-                # Throughput figures for `python -m producer status`.
-                tokens = result["completion_tokens"]
+            if result.committed:
+                # Throughput figures for `python -m producer status` (common.records.Totals).
+                tokens = result.completion_tokens
                 pipeline.xadd(COMPLETIONS_KEY, {"tokens": tokens}, maxlen=COMPLETIONS_MAXLEN, approximate=True)
                 pipeline.hincrby(TOTALS_KEY, "samples", 1)
                 pipeline.hincrby(TOTALS_KEY, "tokens", tokens)
@@ -255,27 +235,16 @@ class FleetWorker(Worker):
 
     def _record_failure(self, job: Job, lease: Lease, failure: str) -> None:
         ended_at = datetime.now(UTC)
+        execution = {"execution_id": lease.execution_id, "started_at": lease.started_at, "ended_at": ended_at}
         with self.connection.pipeline() as pipeline:
-            job.set_status(JobStatus.FAILED, pipeline=pipeline)
-            # Adds the job to the FailedJobRegistry with a failed Result carrying `failure`.
-            job._handle_failure(
-                failure,
-                pipeline=pipeline,
-                worker_name=self.name,
-                execution_id=lease.execution_id,
-                execution_started_at=lease.started_at,
-                execution_ended_at=ended_at,
-            )
+            outcomes.record_failure(pipeline, job, failure, self.name, **execution)
             self.leases.finish(pipeline, lease)
             self.increment_failed_job_count(pipeline)
             pipeline.execute()
 
     def _record_unreadable(self, lease: Lease, failure: str) -> None:
-        """Fail a job whose hash RQ cannot read, by hand: RQ's own failure handling would try to re-save it."""
-        registry = lease.queue.failed_job_registry
         with self.connection.pipeline() as pipeline:
-            pipeline.hset(Job.key_for(lease.job_id), mapping={"status": JobStatus.FAILED, "exc_info": failure})
-            pipeline.zadd(registry.key, {lease.job_id: time.time() + DEFAULT_FAILURE_TTL})
+            outcomes.record_unreadable(pipeline, lease.queue, lease.job_id, failure)
             self.leases.finish(pipeline, lease)
             pipeline.execute()
 
@@ -328,7 +297,7 @@ class FleetWorker(Worker):
         with self.connection.pipeline(transaction=False) as pipeline:
             self.heartbeat(self.settings.lease_ttl + int(self.settings.heartbeat_interval), pipeline=pipeline)
             self.set_state("busy" if leases else "idle", pipeline=pipeline)
-            pipeline.set(worker_state_key(self.name), orjson.dumps(self.report()), ex=self.settings.lease_ttl)
+            pipeline.set(worker_state_key(self.name), self.report().to_json(), ex=self.settings.lease_ttl)
             for lease in leases:
                 self.leases.renew(pipeline, lease)
             replies = pipeline.execute()
@@ -345,26 +314,23 @@ class FleetWorker(Worker):
             if requeued:
                 log.warning("requeued %d jobs of %s whose worker stopped renewing their leases", requeued, queue.name)
 
-    def report(self) -> dict[str, Any]:
+    def report(self) -> WorkerReport:
         """What status tooling shows of this worker: jobs in flight per queue and what it sees of the servers."""
-        return {
-            "name": self.name,
-            "host": self.hostname,
-            "pid": self.pid,
-            "queues": [queue.name for queue in self.queues],
-            "in_flight": dict(self.running),
-            "slots": {queue.name: self.settings.worker_concurrency(queue.name) for queue in self.queues},
-            "servers": [
-                {
-                    "url": server.url,
-                    "healthy": server.healthy,
-                    "in_flight": server.in_flight,
-                    "down_since": server.down_since,
-                }
+        return WorkerReport(
+            name=self.name,
+            host=self.hostname,
+            pid=self.pid,
+            queues=[queue.name for queue in self.queues],
+            in_flight=dict(self.running),
+            slots={queue.name: self.settings.worker_concurrency(queue.name) for queue in self.queues},
+            servers=[
+                ServerSeen(
+                    url=server.url, healthy=server.healthy, in_flight=server.in_flight, down_since=server.down_since
+                )
                 for server in self.client.servers
             ],
-            "heartbeat_at": time.time(),
-        }
+            heartbeat_at=time.time(),
+        )
 
     def _slot_summary(self) -> str:
         limits = self.settings.worker_concurrency, self.settings.concurrency

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
 
-from common.records import GenerationJob, OutputRecord
+from common.records import GenerationJob, GenerationResult, OutputRecord
 from common.settings import Settings
 from common.store import OutputStore
 from worker.sglang import Generated, ServerDown, SGLangClient, TransientError
@@ -25,11 +24,11 @@ class Generator:
         self.store = store
         self.client = client
 
-    async def run(self, job_id: str, job: GenerationJob) -> dict[str, Any]:
+    async def run(self, job_id: str, job: GenerationJob) -> GenerationResult:
         """Generate and commit one sample; the return value is the RQ job's result."""
         # One stat on the output filesystem: cheaper inline than a hop to a thread.
         if self.store.exists(job.partition, job_id):
-            return {"committed": False, "skipped": "already committed"}
+            return GenerationResult(committed=False, skipped="already committed")
         generated = await self._generate(job)
         # Every field comes from validated models: skip validating them again.
         record = OutputRecord.model_construct(
@@ -52,12 +51,12 @@ class Generator:
         if not committed:
             # Another execution committed this sample first (the worker counts duplicates with its bookkeeping).
             log.warning("discarded a duplicate output for %s", job_id)
-        return {
-            "committed": committed,
-            "duplicate": not committed,
-            "finish_reason": record.finish_reason.get("type"),
-            "completion_tokens": record.completion_tokens,
-        }
+        return GenerationResult(
+            committed=committed,
+            duplicate=not committed,
+            finish_reason=record.finish_reason.get("type"),
+            completion_tokens=record.completion_tokens,
+        )
 
     async def _generate(self, job: GenerationJob) -> Generated:
         failures = server_failures = 0

@@ -13,7 +13,7 @@ from pathlib import Path
 import orjson
 from tqdm import tqdm
 
-from common.keys import job_id
+from common.protocol.keys import job_id
 from common.settings import Settings
 from common.store import OutputStore
 from producer.dataset.fidelity import drift

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from common.keys import sample_key
+from common.protocol.keys import sample_key
 from common.records import OutputRecord
 from producer.prompts import Prompt
 

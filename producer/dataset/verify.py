@@ -27,7 +27,7 @@ import orjson
 from pydantic import ValidationError
 from tqdm import tqdm
 
-from common.keys import job_id, sample_key
+from common.protocol.keys import job_id, sample_key
 from common.records import OutputRecord
 from common.settings import Settings
 from common.store import OutputStore

@@ -71,7 +71,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # The web stack and transformers load only when the simulator runs: `python -m server plan` needs neither.
-    import uvicorn
+    try:
+        import uvicorn
+    except ImportError:
+        log.error("the simulator needs its web stack: pip install -e '.[simulator]'")
+        return 2
 
     from server.simulator.app import Simulator
     from server.simulator.engine import Model, TokenizerError

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 
-from producer.status import PartitionProgress, Status
-from producer.workers import WorkerView
+from producer.console.roster import WorkerView
+from producer.console.status import PartitionProgress, Status
 
 COLUMNS = (
     "partition",

@@ -1,4 +1,8 @@
-"""Real processes for tests: a redis-server of our own, the SGLang simulator, and polling with deadlines."""
+"""Real processes for the tests, the benchmarks and the demo: a redis-server of our own, the SGLang simulator,
+the fleet's producers and workers as subprocesses, and polling with deadlines.
+
+Importable from the repository root (`python -m pytest`, `python -m bench.fleet`, `python -m scripts.demo`).
+"""
 
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import httpx
 import orjson
@@ -146,12 +150,28 @@ class Simulator(ManagedProcess):
         return httpx.get(f"{self.url}/sim/stats", timeout=5).json()
 
 
-class Fleet:
-    """The fleet's processes for one test: settings as FLEET_* variables, producers and workers."""
+# Timings short enough that a test sees a dead worker's jobs come back within seconds.
+FAST_TIMINGS = {
+    "FLEET_HEARTBEAT_INTERVAL": "0.5",
+    "FLEET_LEASE_TTL": "3",
+    "FLEET_RETRY_BACKOFF": "0.05",
+    "FLEET_SHUTDOWN_GRACE": "10",
+}
 
-    def __init__(self, directory: Path, redis_url: str, sglang_url: str = "http://127.0.0.1:9") -> None:
+
+class Fleet:
+    """The fleet's processes for one run: settings as FLEET_* variables, producers and workers."""
+
+    def __init__(
+        self,
+        directory: Path,
+        redis_url: str,
+        sglang_url: str = "http://127.0.0.1:9",
+        data_dir: Path | None = None,
+        timings: dict[str, str] = FAST_TIMINGS,
+    ) -> None:
         self.directory = directory
-        self.data_dir = directory / "data"
+        self.data_dir = data_dir or directory / "data"
         self.output_dir = directory / "output"
         self.data_dir.mkdir(exist_ok=True)
         self.env = os.environ | {
@@ -160,10 +180,7 @@ class Fleet:
             "FLEET_DATA_DIR": str(self.data_dir),
             "FLEET_OUTPUT_DIR": str(self.output_dir),
             "FLEET_TOKENIZER": str(ROOT / "sample" / "tokenizer"),
-            "FLEET_HEARTBEAT_INTERVAL": "0.5",
-            "FLEET_LEASE_TTL": "3",
-            "FLEET_RETRY_BACKOFF": "0.05",
-            "FLEET_SHUTDOWN_GRACE": "10",
+            **timings,
         }
         self.workers: list[ManagedProcess] = []
 
@@ -184,6 +201,14 @@ class Fleet:
         if check and result.returncode != 0:
             raise AssertionError(f"producer {args} exited {result.returncode}:\n{result.stdout}\n{result.stderr}")
         return result
+
+    def producer_json(self, *args: str) -> Any:
+        """`python -m producer ARGS --json`, parsed."""
+        return orjson.loads(self.producer(*args, "--json").stdout)
+
+    def enqueued(self, partition: str = "p") -> dict[str, Any]:
+        """`enqueue --json`'s summary of one partition."""
+        return self.producer_json("enqueue")["partitions"][partition]
 
     def start_worker(self, *args: str, env: dict[str, str] | None = None) -> ManagedProcess:
         log = self.directory / f"worker-{len(self.workers)}.log"
@@ -229,6 +254,11 @@ def bpe_tokenizer(directory: Path) -> Path:
     config["chat_template"] = sample["chat_template"]
     (directory / "tokenizer_config.json").write_bytes(orjson.dumps(config))
     return directory
+
+
+def counts(summary: dict[str, Any]) -> tuple[int, ...]:
+    """(total, done, pending, failed, enqueued, rejected) of an `enqueue --json` partition summary."""
+    return tuple(summary[key] for key in ("total", "done", "pending", "failed", "enqueued", "rejected"))
 
 
 def prompts(count: int, partition: str = "p") -> list[dict]:

@@ -14,7 +14,8 @@ from typing import Any
 import httpx
 from redis import Redis
 
-from common.keys import server_metrics_key
+from common.protocol.keys import server_metrics_key
+from common.records import ServerMetrics
 from common.settings import Settings
 
 TIMEOUT = 2.0
@@ -58,20 +59,21 @@ def inspect_servers(connection: Redis, urls: list[str], now: float) -> list[Serv
     with connection.pipeline(transaction=False) as pipeline:
         for url in urls:
             pipeline.hgetall(server_metrics_key(url))
-        hashes = [{key.decode(): value.decode() for key, value in raw.items()} for raw in pipeline.execute()]
+        hashes = [ServerMetrics.from_hash(raw) for raw in pipeline.execute()]
     # Asked side by side: a hung server costs the whole screen TIMEOUT seconds, not TIMEOUT each.
     with ThreadPoolExecutor(max_workers=8) as pool:
         return list(pool.map(lambda url, stored: _inspect(url, stored, now), urls, hashes))
 
 
-def _inspect(url: str, stored: dict[str, str], now: float) -> ServerView:
+def _inspect(url: str, stored: ServerMetrics, now: float) -> ServerView:
     view = ServerView(url)
     with httpx.Client(timeout=TIMEOUT) as client:
         view.health, view.detail = _health(client, url)
         scraped = _scrape(client, url) if view.health == "healthy" else {}
-    view.supervisor = {key: stored[key] for key in ("state", "reason", "restarts", "pid") if stored.get(key)}
-    updated_at = float(stored.get("updated_at") or 0)
-    logged = {name: value for name in GAUGES.values() if (value := _number(stored.get(name))) is not None}
+    supervisor = stored.model_dump(include={"state", "reason", "restarts", "pid"})
+    view.supervisor = {key: str(value) for key, value in supervisor.items() if value not in (None, "")}
+    updated_at = stored.updated_at or 0.0
+    logged = {name: value for name in GAUGES.values() if (value := getattr(stored, name)) is not None}
     if logged and now - updated_at <= FRESH_FOR:
         view.metrics, view.metrics_from, view.metrics_age_s = logged, "supervisor", max(0.0, now - updated_at)
     elif scraped:

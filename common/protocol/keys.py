@@ -1,16 +1,29 @@
-"""Names shared through Redis and the output store: queues, the job function, job IDs and Redis keys."""
+"""Every name the fleet gives in Redis and the output store: queues, the job function, job IDs, keys and prefixes."""
 
 from __future__ import annotations
 
 import hashlib
 import re
 
+from rq.job import Job, JobStatus
+
 QUEUES = ("short", "long")
 
 # The only function a FleetWorker executes, whatever a job in Redis names.
 JOB_FUNCTION = "worker.jobs.generate"
 
+# RQ's job hashes, which the Lua scripts build from job IDs as RQ's own scripts do.
+JOB_KEY_PREFIX = Job.redis_job_namespace_prefix
+# A job in one of these states is someone's to finish: enqueue leaves it alone.
+PENDING = {JobStatus.QUEUED, JobStatus.STARTED, JobStatus.SCHEDULED, JobStatus.DEFERRED}
+# RQ's own cleanup (run by `rq info` and rq-dashboard) requeues a job whose lease lapsed by spending one
+# retry; the fleet's reaper spends none, and generation failures are retried inside the worker. So every
+# job is created with this many, and a retried failed job gets them all back.
+REQUEUES_AFTER_WORKER_DEATH = 100
+
 PREFIX = "fleet"
+# One worker at a time reaps lapsed leases; the reaping is atomic, the lock only saves the others the work.
+REAPER_LOCK = f"{PREFIX}:reaper"
 DUPLICATES_KEY = f"{PREFIX}:stats:duplicates"
 # A stream with one entry per committed sample (field `tokens`), capped, for throughput over recent minutes.
 COMPLETIONS_KEY = f"{PREFIX}:completions"

@@ -1,7 +1,7 @@
 """Where each generation job stands in RQ, by partition: queued, in flight, failed, finished lately.
 
 Job IDs are read straight from RQ's queue lists and registries, a few round trips whatever the
-number of jobs, and attributed to partitions by the prefix `common.keys.job_id` gives them. An ID
+number of jobs, and attributed to partitions by the prefix `common.protocol.keys.job_id` gives them. An ID
 whose prefix fits several known partitions, or none, is attributed by its job's description,
 which the producer writes as `generate <partition>/<sample id>` (a partition, a file stem, holds
 no `/`).
@@ -19,7 +19,7 @@ from rq.job import Job
 from rq.queue import Queue
 from rq.serializers import JSONSerializer
 
-from common.keys import QUEUES, job_id_prefix, partition_key
+from common.protocol.keys import QUEUES, job_id_prefix, partition_key
 
 # Jobs that no known partition claims: not the producer's, or from a partition whose totals are gone.
 UNKNOWN = "(unknown)"
@@ -39,7 +39,7 @@ class Census:
 
 
 def recorded_partitions(connection: Redis) -> dict[str, dict[str, str]]:
-    """The partitions the producer has enqueued, with the totals it recorded (`common.keys.partition_key`)."""
+    """The partitions the producer has enqueued, with the totals it recorded (`common.protocol.keys.partition_key`)."""
     prefix = partition_key("")
     names = sorted(key.decode().removeprefix(prefix) for key in connection.scan_iter(match=prefix + "*", count=1000))
     with connection.pipeline(transaction=False) as pipeline:

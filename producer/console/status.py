@@ -14,13 +14,14 @@ from typing import Any
 
 from redis import Redis
 
-from common.keys import COMPLETIONS_KEY, TOTALS_KEY
+from common.protocol.keys import COMPLETIONS_KEY, TOTALS_KEY
+from common.records import Totals
 from common.settings import Settings
 from common.store import OutputStore
-from producer.census import UNKNOWN, PartitionResolver, recorded_partitions, take_census
-from producer.failures import Failure, group_by_cause, read_failures
-from producer.servers import ServerView, inspect_servers, server_urls
-from producer.workers import WorkerView, fleet_load, list_workers
+from producer.console.causes import Failure, group_by_cause, read_failures
+from producer.console.census import UNKNOWN, PartitionResolver, recorded_partitions, take_census
+from producer.console.health import ServerView, inspect_servers, server_urls
+from producer.console.roster import WorkerView, fleet_load, list_workers
 
 # Seconds of recent completions that recent throughput and the ETAs are measured over.
 WINDOW = 60.0
@@ -181,15 +182,15 @@ def _throughput(connection: Redis, now: float) -> Throughput:
         pipeline.xrange(COMPLETIONS_KEY, min=str(int((now - WINDOW) * 1000)), max="+")
         pipeline.hgetall(TOTALS_KEY)
         recent, totals = pipeline.execute()
-    totals = {key.decode(): value.decode() for key, value in totals.items()}
-    started_at = float(totals["first_at"]) if "first_at" in totals else None
+    totals = Totals.from_hash(totals)
+    started_at = totals.first_at
     window = WINDOW if started_at is None else min(WINDOW, max(1.0, now - started_at))
     tokens = sum(int(fields.get(b"tokens", 0)) for _, fields in recent)
     throughput = Throughput(window, len(recent) / window, tokens / window, started_at)
     if started_at is not None:
         elapsed = max(1.0, now - started_at)
-        throughput.samples = int(totals.get("samples", 0))
-        throughput.tokens = int(totals.get("tokens", 0))
+        throughput.samples = totals.samples
+        throughput.tokens = totals.tokens
         throughput.average_samples_per_s = throughput.samples / elapsed
         throughput.average_tokens_per_s = throughput.tokens / elapsed
     return throughput

@@ -1,6 +1,6 @@
 """The fleet's workers as RQ and their own reports see them, with the ones that need a look flagged.
 
-A live FleetWorker refreshes its report (`common.keys.worker_state_key`) every heartbeat, and the
+A live FleetWorker refreshes its report (`common.protocol.keys.worker_state_key`) every heartbeat, and the
 report expires `lease_ttl` seconds after the last one. So:
 - stale: a report whose heartbeat is late (the process is stopped, hung, or its host's clock is off);
 - dead: registered with RQ but without a report (crashed between the two expiries, or a plain RQ worker,
@@ -15,12 +15,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
 from redis import Redis
 from rq import Worker
 from rq.serializers import JSONSerializer
 
-from common.keys import QUEUES, worker_state_key
+from common.protocol.keys import QUEUES, worker_state_key
+from common.records import WorkerReport
 from common.settings import Settings
 
 # A heartbeat this many intervals late (plus a second for busy hosts) marks a worker stale.
@@ -49,13 +49,13 @@ def list_workers(connection: Redis, settings: Settings, now: float) -> list[Work
     for name, report in reports.items():
         view = WorkerView(
             name=name,
-            host=report.get("host"),
-            pid=report.get("pid"),
-            queues=report.get("queues", []),
-            in_flight=report.get("in_flight", {}),
-            slots=report.get("slots", {}),
-            heartbeat_age_s=max(0.0, now - report.get("heartbeat_at", now)),
-            servers=report.get("servers", []),
+            host=report.host,
+            pid=report.pid,
+            queues=report.queues,
+            in_flight=report.in_flight,
+            slots=report.slots,
+            heartbeat_age_s=max(0.0, now - report.heartbeat_at),
+            servers=[server.model_dump() for server in report.servers],
         )
         if view.heartbeat_age_s > stale_after:
             view.state = "stale"
@@ -93,13 +93,13 @@ def fleet_load(views: list[WorkerView], settings: Settings) -> dict[str, dict[st
     }
 
 
-def _reports(connection: Redis) -> dict[str, dict[str, Any]]:
+def _reports(connection: Redis) -> dict[str, WorkerReport]:
     keys = sorted(connection.scan_iter(match=worker_state_key("*"), count=1000))
     reports = {}
     for raw in connection.mget(keys) if keys else []:
         if raw:  # expired between SCAN and MGET
-            report = orjson.loads(raw)
-            reports[report["name"]] = report
+            report = WorkerReport.model_validate_json(raw)
+            reports[report.name] = report
     return reports
 
 

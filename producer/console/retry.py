@@ -21,37 +21,11 @@ from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 from rq.utils import utcformat
 
-from common.keys import QUEUES
+from common.protocol import scripts
+from common.protocol.keys import QUEUES, REQUEUES_AFTER_WORKER_DEATH
 from common.store import OutputStore
-from producer.census import PartitionResolver, recorded_partitions
-from producer.enqueue import REQUEUES_AFTER_WORKER_DEATH
-from producer.failures import matches, read_failures
-
-# KEYS: failed registry, job hash, queue list, RQ's set of queues.
-# ARGV: job ID, enqueued_at, the retries a new job gets.
-# Returns "requeued", "gone" (the job expired from Redis: its registry entry is dropped), or the
-# status that made it leave the job alone (another retry, or an enqueue, queued it first).
-REQUEUE_SCRIPT = """
-local status = redis.call('HGET', KEYS[2], 'status')
-if not status then
-    redis.call('ZREM', KEYS[1], ARGV[1])
-    return 'gone'
-end
-if status ~= 'failed' then
-    return status
-end
-redis.call('ZREM', KEYS[1], ARGV[1])
-redis.call('HSET', KEYS[2], 'status', 'queued', 'enqueued_at', ARGV[2], 'started_at', '', 'ended_at', '')
--- Whatever of its retry budget (REQUEUES_AFTER_WORKER_DEATH) was spent, a retried job starts with all of it.
-if redis.call('HEXISTS', KEYS[2], 'retries_left') == 1 then
-    redis.call('HSET', KEYS[2], 'retries_left', ARGV[3])
-end
--- The failed registry set the job to expire with its entry; a queued job must not.
-redis.call('PERSIST', KEYS[2])
-redis.call('SADD', KEYS[4], KEYS[3])
-redis.call('RPUSH', KEYS[3], ARGV[1])
-return 'requeued'
-"""
+from producer.console.causes import matches, read_failures
+from producer.console.census import PartitionResolver, recorded_partitions
 
 
 @dataclass
@@ -67,7 +41,7 @@ def retry_failed(
 ) -> RetrySummary:
     summary = RetrySummary()
     resolver = PartitionResolver(connection, set(recorded_partitions(connection)) | set(partitions or []))
-    requeue = connection.register_script(REQUEUE_SCRIPT)
+    requeue = connection.register_script(scripts.REQUEUE_FAILED)
     for name in QUEUES:
         queue = Queue(name, connection=connection, serializer=JSONSerializer)
         registry = FailedJobRegistry(name, connection=connection, serializer=JSONSerializer)

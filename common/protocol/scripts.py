@@ -1,0 +1,205 @@
+"""Every Lua script that changes a job's state, with the keys and arguments it takes (KEYS, ARGV).
+
+Each runs atomically in Redis, so a job is never half-claimed, half-requeued or pushed twice, and the ones
+that time leases read Redis's own clock, so that workers on hosts whose clocks disagree still agree on when a
+lease lapses. Job hashes are built from job IDs inside the scripts, as RQ's own scripts do.
+"""
+
+from __future__ import annotations
+
+from common.protocol.keys import JOB_KEY_PREFIX, LOCK_PREFIX
+
+# Producer: one queued job per pending prompt, however often and however many producers run.
+# KEYS: job hash, queue list, RQ's set of queues, the finished and canceled registries, then every
+# queue's failed registry. ARGV: job ID, then the job hash as field, value, ...
+# Returns the status that made it skip the job, or "enqueued". A failed job in no failed registry is
+# lost (e.g. RQ's own requeue interrupted between its steps): retry-failed cannot see it, so it is
+# created and queued again.
+ENQUEUE = """
+local status = redis.call('HGET', KEYS[1], 'status')
+if status == 'queued' or status == 'started' or status == 'scheduled' or status == 'deferred' then
+    return status
+end
+if status == 'failed' then
+    for i = 6, #KEYS do
+        if redis.call('ZSCORE', KEYS[i], ARGV[1]) then
+            return status
+        end
+    end
+end
+redis.call('DEL', KEYS[1])
+redis.call('HSET', KEYS[1], unpack(ARGV, 2))
+redis.call('ZREM', KEYS[4], ARGV[1])
+redis.call('ZREM', KEYS[5], ARGV[1])
+redis.call('SADD', KEYS[3], KEYS[2])
+redis.call('RPUSH', KEYS[2], ARGV[1])
+return 'enqueued'
+"""
+
+
+# Console: retry-failed puts a failed job back in its queue, once however many retries run at once.
+# KEYS: failed registry, job hash, queue list, RQ's set of queues.
+# ARGV: job ID, enqueued_at, the retries a new job gets.
+# Returns "requeued", "gone" (the job expired from Redis: its registry entry is dropped), or the
+# status that made it leave the job alone (another retry, or an enqueue, queued it first).
+REQUEUE_FAILED = """
+local status = redis.call('HGET', KEYS[2], 'status')
+if not status then
+    redis.call('ZREM', KEYS[1], ARGV[1])
+    return 'gone'
+end
+if status ~= 'failed' then
+    return status
+end
+redis.call('ZREM', KEYS[1], ARGV[1])
+redis.call('HSET', KEYS[2], 'status', 'queued', 'enqueued_at', ARGV[2], 'started_at', '', 'ended_at', '')
+-- Whatever of its retry budget (REQUEUES_AFTER_WORKER_DEATH) was spent, a retried job starts with all of it.
+if redis.call('HEXISTS', KEYS[2], 'retries_left') == 1 then
+    redis.call('HSET', KEYS[2], 'retries_left', ARGV[3])
+end
+-- The failed registry set the job to expire with its entry; a queued job must not.
+redis.call('PERSIST', KEYS[2])
+redis.call('SADD', KEYS[4], KEYS[3])
+redis.call('RPUSH', KEYS[3], ARGV[1])
+return 'requeued'
+"""
+
+
+# Console: cancel takes a partition's queued jobs out of their queue. Removing IDs one LREM at a time costs a
+# pass over the whole list each, so the list is rewritten once; a worker claims either before or not at all.
+# KEYS: queue list, canceled registry. ARGV: the job IDs to cancel.
+# Returns the IDs canceled. An ID of theirs whose job is no longer `queued` is a stale entry: dropped too.
+CANCEL_QUEUED = (
+    """
+local doomed = {}
+for i = 1, #ARGV do doomed[ARGV[i]] = true end
+local kept, canceled = {}, {}
+local dropped = 0
+for _, id in ipairs(redis.call('LRANGE', KEYS[1], 0, -1)) do
+    if doomed[id] then
+        dropped = dropped + 1
+        local key = '"""
+    + JOB_KEY_PREFIX
+    + """' .. id
+        if redis.call('HGET', key, 'status') == 'queued' then
+            redis.call('HSET', key, 'status', 'canceled')
+            redis.call('ZADD', KEYS[2], '+inf', id)
+            canceled[#canceled + 1] = id
+        end
+    else
+        kept[#kept + 1] = id
+    end
+end
+if dropped > 0 then
+    redis.call('DEL', KEYS[1])
+    for i = 1, #kept, 5000 do
+        redis.call('RPUSH', KEYS[1], unpack(kept, i, math.min(i + 4999, #kept)))
+    end
+end
+return canceled
+"""
+)
+
+
+# Workers: claim, lease renewal, the generation lock, finishing or requeueing an execution, reaping.
+
+# Lua: the current time from Redis, in seconds.
+_NOW = "local clock = redis.call('TIME')\nlocal now = tonumber(clock[1]) + tonumber(clock[2]) / 1000000\n"
+
+# Pop the next job that is really waiting and mark it started, unless the fleet's cap is reached. An
+# ID whose job is missing, or no longer `queued` (pushed twice, finished or canceled meanwhile), is
+# dropped. Takes the sample's generation lock when free. Returns the job ID, 1 if the lock was taken,
+# then the job hash, so that no second round trip fetches it.
+# KEYS: queue list, started registry.
+# ARGV: lease seconds, execution ID, lock owner, RQ timestamp, cap, worker name.
+# Job keys are built here from the popped ID, as RQ's own scripts do.
+CLAIM = (
+    _NOW
+    + """
+if redis.call('ZCOUNT', KEYS[2], now, '+inf') >= tonumber(ARGV[5]) then
+    return false
+end
+while true do
+    local job_id = redis.call('LPOP', KEYS[1])
+    if not job_id then
+        return false
+    end
+    local job_key = '"""
+    + JOB_KEY_PREFIX
+    + """' .. job_id
+    if redis.call('HGET', job_key, 'status') == 'queued' then
+        redis.call('HSET', job_key, 'status', 'started', 'worker_name', ARGV[6],
+                   'started_at', ARGV[4], 'last_heartbeat', ARGV[4])
+        redis.call('ZADD', KEYS[2], now + tonumber(ARGV[1]), job_id .. ':' .. ARGV[2])
+        local lock = redis.call('SET', '"""
+    + LOCK_PREFIX
+    + """' .. job_id, ARGV[3], 'NX', 'PX', math.floor(tonumber(ARGV[1]) * 1000))
+        local job = redis.call('HGETALL', job_key)
+        table.insert(job, 1, lock and 1 or 0)
+        table.insert(job, 1, job_id)
+        return job
+    end
+end
+"""
+)
+
+# Extend a job's lease and its lock, re-creating them if Redis lost them; never take a lock another
+# execution holds. Returns 1 while the lock is this execution's.
+# KEYS: started registry, lock. ARGV: registry member, lock owner, lease seconds.
+RENEW = (
+    _NOW
+    + """
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[1])
+local holder = redis.call('GET', KEYS[2])
+if holder == false or holder == ARGV[2] then
+    redis.call('SET', KEYS[2], ARGV[2], 'PX', math.floor(tonumber(ARGV[3]) * 1000))
+    return 1
+end
+return 0
+"""
+)
+
+# Take a sample's generation lock if it is free. KEYS: lock. ARGV: lock owner, lease seconds.
+LOCK = """
+return redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', math.floor(tonumber(ARGV[2]) * 1000)) and 1 or 0
+"""
+
+# End an execution: drop its registry member and its lock (if still its own). Used after the result is
+# recorded, and to requeue: with ARGV[3] = 1 a job still `started` goes back to the front of its queue.
+# KEYS: started registry, lock, job hash, queue list. ARGV: registry member, lock owner, requeue, job ID,
+# RQ timestamp.
+FINISH = """
+redis.call('ZREM', KEYS[1], ARGV[1])
+if redis.call('GET', KEYS[2]) == ARGV[2] then
+    redis.call('DEL', KEYS[2])
+end
+if ARGV[3] == '1' and redis.call('HGET', KEYS[3], 'status') == 'started' then
+    redis.call('HSET', KEYS[3], 'status', 'queued', 'enqueued_at', ARGV[5])
+    redis.call('LPUSH', KEYS[4], ARGV[4])
+    return 1
+end
+return 0
+"""
+
+# Put the jobs whose lease lapsed back at the front of their queue, spending none of their retries.
+# A member whose job moved on (finished, failed, gone) is only dropped. Returns how many were requeued.
+# KEYS: started registry, queue list. ARGV: RQ timestamp.
+REAP = (
+    _NOW
+    + """
+local requeued = 0
+for _, member in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, 1000)) do
+    redis.call('ZREM', KEYS[1], member)
+    local job_id = string.match(member, '^(.*):[^:]*$') or member
+    local job_key = '"""
+    + JOB_KEY_PREFIX
+    + """' .. job_id
+    if redis.call('HGET', job_key, 'status') == 'started' then
+        redis.call('HSET', job_key, 'status', 'queued', 'enqueued_at', ARGV[1])
+        redis.call('LPUSH', KEYS[2], job_id)
+        requeued = requeued + 1
+    end
+end
+return requeued
+"""
+)
