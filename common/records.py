@@ -14,18 +14,39 @@ from datetime import UTC, datetime
 from typing import Any
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class PromptRef(BaseModel):
+    """Where a prompt's ids are in the output store: `length` tokens from token `offset` of the object `key`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    key: str
+    offset: int = Field(ge=0)
+    length: int = Field(gt=0)
 
 
 class GenerationJob(BaseModel):
-    """The keyword arguments of one `worker.jobs.generate` job, as the producer writes them into Redis."""
+    """The keyword arguments of one `worker.jobs.generate` job, as the producer writes them into Redis.
+
+    The prompt's ids are in the output store (`prompt`), so that a pending job costs Redis the same few
+    hundred bytes whatever the prompt's length; jobs made before that carry the ids themselves (`input_ids`).
+    """
 
     model_config = ConfigDict(extra="forbid")
 
     partition: str
     sample_id: str | int
-    input_ids: list[int] = Field(min_length=1)
+    prompt: PromptRef | None = None
+    input_ids: list[int] | None = Field(None, min_length=1)
     sampling_params: dict[str, Any]
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> GenerationJob:
+        if (self.prompt is None) == (self.input_ids is None):
+            raise ValueError("a job carries exactly one of prompt (a reference into the store) and input_ids")
+        return self
 
     @field_validator("partition")
     @classmethod

@@ -21,7 +21,11 @@ class Settings(BaseSettings):
     sglang_api_key: SecretStr | None = None
 
     data_dir: Path = Path("data")
-    output_dir: Path = Path("output")
+    # The output store: a directory every worker can write to, or object storage (s3://bucket/prefix,
+    # gs://..., az://...) with credentials from the cloud's standard environment variables.
+    output_dir: str = "output"
+    # An S3-compatible server of one's own (MinIO, SeaweedFS) for an s3:// output store.
+    s3_endpoint_url: str | None = None
     tokenizer: str = "sample/tokenizer"
     # Prompt tokens + max_new_tokens above this are rejected at enqueue time.
     context_length: int = Field(32768, gt=0)
@@ -111,16 +115,6 @@ class Settings(BaseSettings):
         if not value:
             raise ValueError("needs at least one URL")
         return value
-
-    @property
-    def samples_dir(self) -> Path:
-        """Where the output store keeps one file per completed sample."""
-        return self.output_dir / "samples"
-
-    @property
-    def rejects_dir(self) -> Path:
-        """Where the producer lists, per partition, the records it refused and why."""
-        return self.output_dir / "rejects"
 
     def max_new_tokens(self, queue: str) -> int:
         return self.long_max_new_tokens if queue == "long" else self.short_max_new_tokens

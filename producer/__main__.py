@@ -12,8 +12,8 @@ import orjson
 import redis
 
 from common.connection import RedisUnavailable, connect
-from common.settings import get_settings
-from common.store import OutputStore
+from common.settings import Settings, get_settings
+from common.store import OutputStore, StoreError, open_store
 from producer.dataset.formats import FORMATS
 from producer.errors import SetupError, writable_directory
 from producer.partitions import PartitionError, load_partitions
@@ -24,16 +24,14 @@ from producer.partitions import PartitionError, load_partitions
 
 def enqueue(args: argparse.Namespace) -> int:
     from producer.enqueue import Enqueuer, PartitionSummary
+    from producer.rejects import report_key
     from producer.tokenizer import ChatTokenizer
 
     settings = get_settings()
     partitions = load_partitions(settings.data_dir, args.partition)
     # The rejects report is written after a partition's jobs are pushed: a bad directory must stop us first.
-    writable_directory(settings.output_dir, "FLEET_OUTPUT_DIR")
-    writable_directory(settings.rejects_dir, "the rejects reports under FLEET_OUTPUT_DIR")
-    enqueuer = Enqueuer(
-        connect(settings), settings, ChatTokenizer(settings.tokenizer), OutputStore(settings.samples_dir)
-    )
+    store = writable_store(settings)
+    enqueuer = Enqueuer(connect(settings), settings, ChatTokenizer(settings.tokenizer), store)
     columns = ("partition", "total", "done", "queued/running", "failed", "enqueued", "rejected")
     if not args.json:
         print(_row(columns))
@@ -59,7 +57,8 @@ def enqueue(args: argparse.Namespace) -> int:
         for reject in summary.rejects[: args.show_rejects]:
             print(f"  rejected {reject}")
         if len(summary.rejects) > args.show_rejects:
-            print(f"  ... {len(summary.rejects) - args.show_rejects} more in {settings.rejects_dir}")
+            report = f"{store.location}/{report_key(summary.partition)}"
+            print(f"  ... {len(summary.rejects) - args.show_rejects} more in {report}")
     if args.json:
         _print_json({"partitions": {summary.partition: summary.to_json() for summary in summaries}})
     return 0
@@ -71,9 +70,11 @@ def status(args: argparse.Namespace) -> int:
 
     settings = get_settings()
     connection = connect(settings)
-    store = OutputStore(settings.samples_dir)
+    store = open_store(settings)
+    recount = args.recount
     while True:
-        snapshot = collect_status(connection, settings, store)
+        snapshot = collect_status(connection, settings, store, recount)
+        recount = False
         if args.json:
             output = orjson.dumps(snapshot.to_json(), option=orjson.OPT_INDENT_2).decode()
         else:
@@ -91,7 +92,7 @@ def retry_failed(args: argparse.Namespace) -> int:
     from producer.console.retry import retry_failed as retry
 
     settings = get_settings()
-    summary = retry(connect(settings), OutputStore(settings.samples_dir), args.partition, args.cause)
+    summary = retry(connect(settings), open_store(settings), args.partition, args.cause)
     if args.json:
         _print_json(asdict(summary))
         return 0
@@ -139,12 +140,12 @@ def export(args: argparse.Namespace) -> int:
     partitions = load_partitions(settings.data_dir, args.partition)
     tokenizer = ChatTokenizer(settings.tokenizer)
     writable_directory(args.out, "export --out")
-    store = OutputStore(settings.samples_dir)
+    store = open_store(settings)
     options = ExportOptions(args.format, args.include_truncated, args.split_reasoning)
     incomplete = False
     summaries = []
     for partition in partitions:
-        summary = export_partition(settings, store, partition, args.out, options, tokenizer)
+        summary = export_partition(store, partition, args.out, options, tokenizer)
         summaries.append(summary)
         line = f"{partition.name}: {summary.exported} records -> {summary.path}"
         if summary.missing:
@@ -175,22 +176,29 @@ def export(args: argparse.Namespace) -> int:
 
 
 def verify(args: argparse.Namespace) -> int:
-    from producer.dataset.verify import Verifier, render
+    from producer.dataset.verify import Verifier
     from producer.tokenizer import ChatTokenizer
 
     settings = get_settings()
-    store = OutputStore(settings.samples_dir)
+    store = open_store(settings)
     partitions = load_partitions(settings.data_dir, args.partition)
-    verifier = Verifier(settings, store, ChatTokenizer(settings.tokenizer))
+    verifier = Verifier(settings, store, ChatTokenizer(settings.tokenizer), args.export, args.show)
     for partition in partitions:
         verifier.partition(partition)
     if args.partition == ["all"]:
         for name in sorted(set(store.partitions()) - {partition.name for partition in partitions}):
             verifier.foreign(name)
-    if args.export is not None:
-        verifier.export(args.export, partitions)
-    print(render(verifier.report, len(partitions), args.show))
+    print(verifier.report.render(len(partitions)))
     return 1 if verifier.report.problems else 0
+
+
+def writable_store(settings: Settings) -> OutputStore:
+    """The output store, proven writable before any work: enqueue writes its rejects report last."""
+    store = open_store(settings)
+    problem = store.problem()
+    if problem:
+        raise SetupError(f"FLEET_OUTPUT_DIR: {problem}")
+    return store
 
 
 def _print_json(value: object) -> None:
@@ -217,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     command.add_argument("--json", action="store_true", help="print one JSON object instead")
     command.add_argument(
         "--watch", type=float, nargs="?", const=5.0, metavar="SECONDS", help="refresh in place (every 5 s)"
+    )
+    command.add_argument(
+        "--recount", action="store_true", help="count done samples in the output store again (exact when workers idle)"
     )
     command.set_defaults(run=status)
 
@@ -261,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.run(args)
-    except (PartitionError, SetupError, RedisUnavailable) as error:
+    except (PartitionError, SetupError, RedisUnavailable, StoreError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     except redis.ConnectionError as error:

@@ -29,7 +29,7 @@ from common.protocol.keys import (
     job_id,
     partition_key,
 )
-from common.records import GenerationJob
+from common.records import GenerationJob, PromptRef
 from common.settings import Settings
 from common.store import OutputStore
 from producer.partitions import Partition
@@ -87,7 +87,12 @@ class Enqueuer:
         summary = PartitionSummary(partition.name)
         queue = Queue(partition.queue, connection=self.connection, serializer=JSONSerializer)
         sampling_params = partition.sampling_params(self.settings)
+        # `status` reads done counts that workers keep; they are reset here to the store's count. A commit made
+        # while the store is listed may be counted twice: `status --recount` counts again when workers are idle.
+        counter = partition_key(partition.name)
+        self.connection.hset(counter, "done", 0)
         done = self.store.done(partition.name)
+        self.connection.hincrby(counter, "done", len(done))
         batch: list[_Candidate] = []
         lines = tqdm(read_prompts(partition.path), desc=partition.name, unit=" prompts", disable=None, leave=False)
         for item in lines:
@@ -118,16 +123,24 @@ class Enqueuer:
     ) -> None:
         # Look before tokenizing, so that a re-run over queued or failed prompts costs a round trip or two.
         statuses = self._statuses([candidate.job_id for candidate in batch])
-        jobs = []
+        tokenized: list[tuple[_Candidate, list[int]]] = []
         for candidate, status in zip(batch, statuses, strict=True):
             if status in PENDING:
                 summary.pending += 1
             elif status == JobStatus.FAILED:
                 summary.failed += 1
             else:
-                job = self._build_job(candidate, partition, queue, sampling_params, summary)
-                if job is not None:
-                    jobs.append(job)
+                input_ids = self._tokenize(candidate.prompt, partition, sampling_params, summary)
+                if input_ids is not None:
+                    tokenized.append((candidate, input_ids))
+        if not tokenized:
+            return
+        # The prompts' ids go to the store, once per batch; each job carries only where its prompt is.
+        refs = self.store.write_prompts(partition.name, [input_ids for _, input_ids in tokenized])
+        jobs = [
+            self._build_job(candidate, ref, partition, queue, sampling_params)
+            for (candidate, _), ref in zip(tokenized, refs, strict=True)
+        ]
         with self.connection.pipeline(transaction=False) as pipeline:
             for job in jobs:
                 keys = [job.key, queue.key, Queue.redis_queues_keys]
@@ -169,15 +182,10 @@ class Enqueuer:
             if any(score is not None for score in scores[index * per_job : (index + 1) * per_job])
         }
 
-    def _build_job(
-        self,
-        candidate: _Candidate,
-        partition: Partition,
-        queue: Queue,
-        sampling_params: dict[str, Any],
-        summary: PartitionSummary,
-    ) -> Job | None:
-        prompt = candidate.prompt
+    def _tokenize(
+        self, prompt: Prompt, partition: Partition, sampling_params: dict[str, Any], summary: PartitionSummary
+    ) -> list[int] | None:
+        """The prompt's ids, or None with the reason added to the rejects."""
         try:
             input_ids = self.tokenizer.encode(prompt)
             limit = self.settings.context_length
@@ -189,15 +197,18 @@ class Enqueuer:
         except Rejected as error:
             summary.rejects.append(Reject(str(partition.path), prompt.line, str(error), prompt.sample_id))
             return None
+        return input_ids
+
+    def _build_job(
+        self, candidate: _Candidate, ref: PromptRef, partition: Partition, queue: Queue, sampling_params: dict[str, Any]
+    ) -> Job:
+        prompt = candidate.prompt
         arguments = GenerationJob(
-            partition=partition.name,
-            sample_id=prompt.sample_id,
-            input_ids=input_ids,
-            sampling_params=sampling_params,
+            partition=partition.name, sample_id=prompt.sample_id, prompt=ref, sampling_params=sampling_params
         )
         job = Job.create(
             JOB_FUNCTION,
-            kwargs=arguments.model_dump(),
+            kwargs=arguments.model_dump(exclude_none=True),
             connection=self.connection,
             id=candidate.job_id,
             origin=queue.name,
@@ -223,7 +234,7 @@ class Enqueuer:
                 "updated_at": datetime.now(UTC).isoformat(),
             },
         )
-        write_rejects(self.settings, partition.name, summary.rejects)
+        write_rejects(self.store, partition.name, summary.rejects)
 
 
 def _flatten(mapping: dict[str, Any]) -> list[Any]:

@@ -1,15 +1,16 @@
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import redis
 
-from tests.harness import Fleet, RedisServer, Simulator
+from tests.harness import Fleet, RedisServer, SeaweedFS, Simulator
 
 # A test that uses one of these starts real processes: it belongs to the end-to-end tier.
-PROCESS_FIXTURES = {"redis_server", "redis_client", "fleet", "start_simulator"}
+PROCESS_FIXTURES = {"redis_server", "redis_client", "fleet", "start_simulator", "seaweedfs"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -57,3 +58,18 @@ def fleet(tmp_path: Path, redis_client: redis.Redis, redis_server: RedisServer) 
     fleet = Fleet(tmp_path, redis_server.url)
     yield fleet
     fleet.stop()
+
+
+@pytest.fixture(scope="session")
+def seaweedfs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedFS]:
+    """An S3 server for the tests, with its credentials in this process's environment (as obstore reads them)."""
+    server = SeaweedFS(tmp_path_factory.mktemp("seaweedfs")).start()
+    saved = {key: os.environ.get(key) for key in SeaweedFS.CREDENTIALS}
+    os.environ.update(SeaweedFS.CREDENTIALS)
+    yield server
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    server.kill()

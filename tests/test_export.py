@@ -13,7 +13,7 @@ import pytest
 
 from common.protocol.keys import job_id
 from common.records import OutputRecord
-from common.store import OutputStore
+from common.store import LocalStore
 from producer.prompts import parse_record
 from producer.tokenizer import ChatTokenizer
 from tests.harness import ROOT, Fleet, Simulator, bpe_tokenizer
@@ -63,7 +63,7 @@ def commit(
         server="http://gpu-1:30000",
         created_at=datetime(2026, 1, 1, 12, minute, tzinfo=UTC),
     )
-    assert OutputStore(fleet.output_dir / "samples").commit(record)
+    assert LocalStore(fleet.output_dir).commit(record)
     return record
 
 

@@ -23,7 +23,7 @@ from rq.serializers import JSONSerializer
 
 from common.protocol.keys import JOB_FUNCTION, REQUEUES_AFTER_WORKER_DEATH, job_id
 from common.records import OutputRecord
-from common.store import OutputStore
+from common.store import LocalStore
 from producer.console.retry import retry_failed
 from tests.harness import Fleet, Simulator, counts
 
@@ -115,7 +115,7 @@ def test_failure_records_are_never_unpickled(fleet: Fleet, redis_client: redis.R
 
 def test_retry_failed_interrupted_anywhere_leaves_the_job_failed_or_queued(redis_client: redis.Redis, tmp_path: Path):
     """Never `failed` outside the failed registry: enqueue would skip it and retry-failed not see it."""
-    store = OutputStore(tmp_path / "samples")
+    store = LocalStore(tmp_path)
     registry = FailedJobRegistry("short", connection=redis_client, serializer=JSONSerializer)
     round_trips = 1
     while True:
@@ -158,7 +158,7 @@ def test_retry_failed_requeues_selected_failures_once_under_their_own_ids(
     assert "requeued 0 failed jobs" in fleet.producer("retry-failed", "--cause", "no such cause").stdout
     assert failed.count == 3
     # big-2 was committed meanwhile (say, by a duplicate generation that succeeded): it is not run again.
-    store = OutputStore(fleet.output_dir / "samples")
+    store = LocalStore(fleet.output_dir)
     store.commit(
         OutputRecord(
             id="big-2", partition="p", job_id=job_id("p", "big-2"), input_ids=[5], output_ids=[6], text="x",

@@ -14,8 +14,8 @@ from transformers import AutoTokenizer
 
 from common.protocol.keys import job_id
 from common.protocol.scripts import ENQUEUE as ENQUEUE_SCRIPT
-from common.records import OutputRecord
-from common.store import OutputStore
+from common.records import OutputRecord, PromptRef
+from common.store import LocalStore
 from tests.harness import ROOT, Fleet, counts
 
 TOKENIZER = str(ROOT / "sample" / "tokenizer")
@@ -89,7 +89,10 @@ def test_chat_template_renders_messages_without_trailing_assistant_turns(fleet: 
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
     expected = tokenizer.apply_chat_template(messages[:2], tools=tools, add_generation_prompt=True, tokenize=False)
     kwargs = job_kwargs(redis_client, job_id("chat", 7))
-    assert tokenizer.decode(kwargs["input_ids"]) == expected
+    # The job refers to its prompt's ids in the output store rather than carrying them.
+    assert "input_ids" not in kwargs
+    ids = LocalStore(fleet.output_dir).read_prompt(PromptRef.model_validate(kwargs["prompt"]))
+    assert tokenizer.decode(ids) == expected
     assert kwargs["sample_id"] == 7
     # An ID defaults to the record's 0-based line number.
     assert job_kwargs(redis_client, job_id("chat", 1))["sample_id"] == 1
@@ -121,7 +124,7 @@ def test_concurrent_producers_enqueue_each_prompt_once(fleet: Fleet, redis_clien
 
 def test_completed_samples_are_not_enqueued(fleet: Fleet, redis_client: redis.Redis):
     fleet.write_partition("p", [{"id": n, "prompt": f"question {n}"} for n in range(5)])
-    store = OutputStore(fleet.output_dir / "samples")
+    store = LocalStore(fleet.output_dir)
     for sample in (1, 3):
         store.commit(
             OutputRecord(

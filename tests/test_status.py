@@ -15,7 +15,7 @@ from rq.queue import Queue
 from common.protocol.keys import server_metrics_key, worker_state_key
 from common.records import WorkerReport
 from common.settings import Settings
-from common.store import OutputStore
+from common.store import open_store
 from producer.console.roster import list_workers
 from producer.console.status import collect_status
 from tests.harness import Fleet, Simulator, wait_until
@@ -111,7 +111,7 @@ def test_a_crashed_server_is_told_apart_from_a_healthy_idle_one(fleet: Fleet, st
         server_metrics_key(idle.url), mapping={"running_req": 3, "gen_throughput": 812.5, "updated_at": time.time()}
     )
     settings = settings_of(fleet)
-    servers_now = collect_status(redis_client, settings, OutputStore(settings.samples_dir)).servers
+    servers_now = collect_status(redis_client, settings, open_store(settings)).servers
     view = next(server for server in servers_now if server.url == idle.url)
     assert view.metrics_from == "supervisor" and view.metrics["running_req"] == 3
 
@@ -162,7 +162,7 @@ def test_in_flight_above_the_fleet_cap_is_a_problem(fleet: Fleet, redis_client: 
         redis_client.set(worker_state_key(name), report.to_json(), ex=60)
 
     settings = settings_of(fleet)
-    status = collect_status(redis_client, settings, OutputStore(settings.samples_dir))
+    status = collect_status(redis_client, settings, open_store(settings))
 
     assert status.queues["short"] == {"in_flight": 200, "cap": 150}
     assert any("200 short jobs in flight across the workers, above the fleet cap of 150" in p for p in status.problems)

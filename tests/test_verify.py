@@ -11,7 +11,7 @@ import pytest
 
 from common.protocol.keys import job_id
 from common.settings import get_settings
-from common.store import OutputStore
+from common.store import LocalStore
 from producer.__main__ import main
 from tests.harness import ROOT, Fleet, Simulator
 
@@ -76,8 +76,8 @@ def test_verify_passes_a_clean_run_and_names_each_kind_of_damage(
     assert "verify: all good, 8 outputs of 2 partitions" in output
     assert "outputs cut at max_new_tokens (finish_reason length) (1):\n    cut: 'c-0' (4 tokens)" in output
 
-    store = OutputStore(fleet.output_dir / "samples")
-    victim = store.path("p", job_id("p", "p-3"))
+    store = LocalStore(fleet.output_dir)
+    victim = store.path(store.sample_key("p", job_id("p", "p-3")))
     record = victim.read_bytes()
 
     victim.unlink()

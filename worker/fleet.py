@@ -41,11 +41,12 @@ from common.protocol.keys import (
     REAPER_LOCK,
     TOTALS_KEY,
     job_id,
+    partition_key,
     worker_state_key,
 )
 from common.records import GenerationJob, GenerationResult, ServerSeen, WorkerReport
 from common.settings import Settings, get_settings
-from common.store import OutputStore
+from common.store import OutputStore, StoreError, open_store
 from worker.generation import Generator
 from worker.leases import Lease, Leases
 from worker.redis_calls import call_redis
@@ -80,8 +81,11 @@ class FleetWorker(Worker):
         log_format = kwargs.get("log_format") or "%(asctime)s %(message)s"
         for name in ("rq.worker", "worker"):
             setup_loghandlers(logging_level or "INFO", date_format, log_format, name=name)
-        store = OutputStore(self.settings.samples_dir)
-        problem = store.writable()
+        try:
+            store = open_store(self.settings)
+            problem = store.problem()
+        except StoreError as error:
+            problem = str(error)
         if problem:
             raise SystemExit(f"error: FLEET_OUTPUT_DIR: {problem}")
         asyncio.run(self._work(burst, store))
@@ -184,7 +188,7 @@ class FleetWorker(Worker):
                 failure = str(error) if isinstance(error, _Refused) else "".join(traceback.format_exception(error))
                 await call_redis(self._record_failure, job, lease, failure)
             else:
-                await call_redis(self._record_success, job, lease, result)
+                await call_redis(self._record_success, job, lease, arguments.partition, result)
                 log.info("%s: %s done %s", lease.queue.name, job.id, result)
         finally:
             self._done(lease)
@@ -214,7 +218,7 @@ class FleetWorker(Worker):
             self.running[lease.queue.name] -= 1
         self._slot_freed.set()
 
-    def _record_success(self, job: Job, lease: Lease, result: GenerationResult) -> None:
+    def _record_success(self, job: Job, lease: Lease, partition: str, result: GenerationResult) -> None:
         ended_at = datetime.now(UTC)
         execution = {"execution_id": lease.execution_id, "started_at": lease.started_at, "ended_at": ended_at}
         with self.connection.pipeline() as pipeline:
@@ -229,6 +233,7 @@ class FleetWorker(Worker):
                 pipeline.hincrby(TOTALS_KEY, "samples", 1)
                 pipeline.hincrby(TOTALS_KEY, "tokens", tokens)
                 pipeline.hsetnx(TOTALS_KEY, "first_at", time.time())
+                pipeline.hincrby(partition_key(partition), "done", 1)
             self.increment_successful_job_count(pipeline=pipeline)
             self.increment_total_working_time(ended_at - lease.started_at, pipeline)
             pipeline.execute()

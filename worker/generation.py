@@ -1,16 +1,23 @@
-"""One generation: skip the sample if done, generate with retries, commit once."""
+"""One generation: skip the sample if done, read its prompt, generate with retries, commit once."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from common.records import GenerationJob, GenerationResult, OutputRecord
 from common.settings import Settings
-from common.store import OutputStore
+from common.store import OutputStore, StoreError
 from worker.sglang import Generated, ServerDown, SGLangClient, TransientError
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class PromptMissing(Exception):
+    """The job's prompt is not in the output store (deleted, or another store configured): it cannot run."""
 
 
 class Generator:
@@ -26,16 +33,23 @@ class Generator:
 
     async def run(self, job_id: str, job: GenerationJob) -> GenerationResult:
         """Generate and commit one sample; the return value is the RQ job's result."""
-        # One stat on the output filesystem: cheaper inline than a hop to a thread.
-        if self.store.exists(job.partition, job_id):
+        if await self._patiently(self.store.has, job.partition, job_id):
             return GenerationResult(committed=False, skipped="already committed")
-        generated = await self._generate(job)
+        input_ids = job.input_ids
+        if job.prompt is not None:
+            try:
+                input_ids = await self._patiently(self.store.read_prompt, job.prompt)
+            except FileNotFoundError as error:
+                raise PromptMissing(
+                    f"the prompt's ids are gone from {self.store.location}/{job.prompt.key}: run enqueue again"
+                ) from error
+        generated = await self._generate(input_ids, job.sampling_params)
         # Every field comes from validated models: skip validating them again.
         record = OutputRecord.model_construct(
             id=job.sample_id,
             partition=job.partition,
             job_id=job_id,
-            input_ids=job.input_ids,
+            input_ids=input_ids,
             output_ids=generated.output_ids,
             text=generated.text,
             finish_reason=generated.meta_info.finish_reason,
@@ -47,7 +61,7 @@ class Generator:
             model=generated.model,
             server_version=generated.server_version,
         )
-        committed = await asyncio.to_thread(self.store.commit, record)
+        committed = await self._patiently(self.store.commit, record)
         if not committed:
             # Another execution committed this sample first (the worker counts duplicates with its bookkeeping).
             log.warning("discarded a duplicate output for %s", job_id)
@@ -58,11 +72,22 @@ class Generator:
             completion_tokens=record.completion_tokens,
         )
 
-    async def _generate(self, job: GenerationJob) -> Generated:
+    async def _patiently(self, call: Callable[..., T], *args: Any) -> T:
+        """A store call in a thread, retried while the store is unreachable: a finished generation must be kept."""
+        delay = self.settings.retry_backoff
+        while True:
+            try:
+                return await asyncio.to_thread(call, *args)
+            except StoreError as error:
+                log.warning("output store unavailable (%s); retrying in %.1fs", error, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self.settings.retry_backoff_max)
+
+    async def _generate(self, input_ids: list[int], sampling_params: dict[str, Any]) -> Generated:
         failures = server_failures = 0
         while True:
             try:
-                return await self.client.generate(job.input_ids, job.sampling_params)
+                return await self.client.generate(input_ids, sampling_params)
             except ServerDown as error:
                 # The client waits for a healthy server on the next call: no ordinary retry is spent. A prompt
                 # that was in flight through many server crashes may be what crashes it: it gets a limit.

@@ -65,7 +65,7 @@ def worker_state_key(worker_name: str) -> str:
 
 
 def partition_key(partition: str) -> str:
-    """A hash the producer writes per partition: its totals, for status tooling."""
+    """A hash per partition for status tooling: its totals (enqueue) and its count of committed samples (workers)."""
     return f"{PREFIX}:partition:{partition}"
 
 

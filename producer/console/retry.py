@@ -49,7 +49,7 @@ def retry_failed(
         for failure in read_failures(connection, resolver.resolve(job_ids)):
             if (partitions and failure.partition not in partitions) or not matches(failure, cause):
                 summary.left += 1
-            elif store.exists(failure.partition, failure.job_id):
+            elif store.has(failure.partition, failure.job_id):
                 if _delete(connection, registry, failure.job_id):
                     summary.already_done += 1
                 else:

@@ -1,6 +1,7 @@
 """The state of a run in one snapshot: progress per partition, throughput, workers, servers, failures, problems.
 
-Every figure comes from where it is true: done from the output store, totals from what the producer
+Every figure comes from where it is true: done from the counts workers keep as they commit (counted in the
+output store when Redis has none, or with `status --recount`), totals from what the producer
 recorded at enqueue, jobs from RQ's own lists and registries, worker and server health from the
 workers' reports and from asking the servers. Anything that needs a look is also listed under
 `problems`, so that a quiet screen means a healthy run, never a blind one.
@@ -14,7 +15,7 @@ from typing import Any
 
 from redis import Redis
 
-from common.protocol.keys import COMPLETIONS_KEY, TOTALS_KEY
+from common.protocol.keys import COMPLETIONS_KEY, TOTALS_KEY, partition_key
 from common.records import Totals
 from common.settings import Settings
 from common.store import OutputStore
@@ -124,11 +125,12 @@ class Status:
         }
 
 
-def collect_status(connection: Redis, settings: Settings, store: OutputStore) -> Status:
+def collect_status(connection: Redis, settings: Settings, store: OutputStore, recount: bool = False) -> Status:
+    """The snapshot; `recount` counts each partition's committed samples in the store again."""
     seconds, microseconds = connection.time()
     # Redis's clock, not ours: stream IDs and registry scores are written against it.
     now = seconds + microseconds / 1e6
-    partitions = _partitions(connection, store)
+    partitions = _partitions(connection, store, recount)
     throughput = _throughput(connection, now)
     window = throughput.window_s
 
@@ -137,12 +139,13 @@ def collect_status(connection: Redis, settings: Settings, store: OutputStore) ->
     failed_by_job: dict[str, str] = {}
     for name in sorted(set(partitions) | set(census.queued) | set(census.in_flight) | set(census.failed)):
         progress = partitions.setdefault(name, PartitionProgress(name))
-        done = store.done(name) if name != UNKNOWN else set()
-        progress.done = len(done)
+        # A job whose sample another execution committed is done, not in flight or failed. Queued ones are
+        # not looked up (there can be millions): a worker skips them at once.
+        done = {job for job in census.in_flight[name] | census.failed[name] if name != UNKNOWN and store.has(name, job)}
         progress.in_flight = len(census.in_flight[name] - done)
         failed = census.failed[name] - done
         progress.failed = len(failed)
-        progress.queued = len(census.queued[name] - done)
+        progress.queued = len(census.queued[name])
         progress.samples_per_s = census.finished_recently[name] / window
         failed_by_job.update(dict.fromkeys(failed, name))
 
@@ -162,18 +165,27 @@ def collect_status(connection: Redis, settings: Settings, store: OutputStore) ->
         queues=fleet_load(workers, settings),
     )
     status.problems = find_problems(status)
-    if throughput.samples and not store.root.is_dir():
-        status.problems.append(f"no output store at {store.root} here: done reads 0 (run where FLEET_OUTPUT_DIR is)")
     return status
 
 
-def _partitions(connection: Redis, store: OutputStore) -> dict[str, PartitionProgress]:
-    """Partitions the producer enqueued (with their totals) and those with outputs in the store."""
-    partitions = {name: PartitionProgress(name) for name in store.partitions()}
-    for name, values in recorded_partitions(connection).items():
-        partitions[name] = PartitionProgress(
-            name, queue=values.get("queue"), total=int(values["total"]), rejected=int(values.get("rejected", 0))
-        )
+def _partitions(connection: Redis, store: OutputStore, recount: bool) -> dict[str, PartitionProgress]:
+    """Partitions the producer enqueued (with their totals) and those with outputs in the store, with their
+    done counts: kept by the workers, counted in the store when Redis has none (or when asked)."""
+    recorded = recorded_partitions(connection)
+    partitions = {}
+    for name in sorted(set(recorded) | set(store.partitions())):
+        values = recorded.get(name, {})
+        progress = PartitionProgress(name, queue=values.get("queue"))
+        if "total" in values:
+            progress.total, progress.rejected = int(values["total"]), int(values.get("rejected", 0))
+        if recount or "done" not in values:
+            # Reset first, then add the count: commits made meanwhile are counted by their workers.
+            connection.hset(partition_key(name), "done", 0)
+            progress.done = sum(1 for _ in store.sample_keys(name))
+            connection.hincrby(partition_key(name), "done", progress.done)
+        else:
+            progress.done = int(values["done"])
+        partitions[name] = progress
     return partitions
 
 

@@ -14,7 +14,6 @@ import orjson
 from tqdm import tqdm
 
 from common.protocol.keys import job_id
-from common.settings import Settings
 from common.store import OutputStore
 from producer.dataset.fidelity import drift
 from producer.dataset.formats import ExportOptions, is_truncated
@@ -25,7 +24,6 @@ from producer.tokenizer import ChatTokenizer
 
 
 def export_partition(
-    settings: Settings,
     store: OutputStore,
     partition: Partition,
     out: Path,
@@ -34,10 +32,10 @@ def export_partition(
 ) -> ExportSummary:
     """Write `out/<partition>.jsonl` in the options' format."""
     summary = ExportSummary(partition.name, out / f"{partition.name}.jsonl")
-    summary.rejected = len(rejected_lines(settings, partition.name))
+    summary.rejected = len(rejected_lines(store, partition.name))
     digest = hashlib.sha256()
     temporary = summary.path.with_suffix(".jsonl.tmp")
-    prompts = accepted_prompts(settings, partition)
+    prompts = accepted_prompts(store, partition)
     with open(temporary, "wb") as file:
         for prompt in tqdm(prompts, desc=partition.name, unit=" records", disable=None, leave=False):
             record = store.load(partition.name, job_id(partition.name, prompt.sample_id))

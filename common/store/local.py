@@ -1,0 +1,129 @@
+"""The output store on a local or shared POSIX filesystem.
+
+A record is written under a temporary name, fsynced, then hard-linked to its final name: `link` fails if the
+name exists, so the first commit wins, and a reader sees either no file or a whole one. New folders are
+fsynced too, so that a power loss cannot lose a folder of outputs.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+from common.store.base import PROMPTS, REJECTS, SAMPLES, OutputStore, StoreError
+
+
+class LocalStore(OutputStore):
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+        self.location = str(self.root)
+
+    def path(self, key: str) -> Path:
+        return self.root / key
+
+    def create(self, key: str, data: bytes) -> bool:
+        final = self.path(key)
+        try:
+            if final.exists():
+                return False
+            self._make_dirs(final.parent)
+            temporary = self._write_temporary(final, data)
+            try:
+                os.link(temporary, final)
+            except FileExistsError:
+                return False
+            finally:
+                temporary.unlink(missing_ok=True)
+            _fsync_dir(final.parent)
+        except OSError as error:
+            raise StoreError(f"cannot write {final}: {error.strerror or error}") from error
+        return True
+
+    def replace(self, key: str, data: bytes) -> None:
+        final = self.path(key)
+        try:
+            self._make_dirs(final.parent)
+            os.replace(self._write_temporary(final, data), final)
+            _fsync_dir(final.parent)
+        except OSError as error:
+            raise StoreError(f"cannot write {final}: {error.strerror or error}") from error
+
+    def read(self, key: str) -> bytes | None:
+        try:
+            return self.path(key).read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as error:
+            raise StoreError(f"cannot read {self.path(key)}: {error.strerror or error}") from error
+
+    def read_range(self, key: str, start: int, end: int) -> bytes:
+        try:
+            with open(self.path(key), "rb") as file:
+                file.seek(start)
+                return file.read(end - start)
+        except FileNotFoundError:
+            raise
+        except OSError as error:
+            raise StoreError(f"cannot read {self.path(key)}: {error.strerror or error}") from error
+
+    def exists(self, key: str) -> bool:
+        return self.path(key).exists()
+
+    def keys(self, prefix: str) -> Iterator[str]:
+        base = self.path(prefix)
+        if not base.is_dir():
+            return
+        for directory, folders, files in os.walk(base):
+            folders.sort()
+            relative = Path(directory).relative_to(self.root).as_posix()
+            for name in files:
+                if not name.startswith("."):
+                    yield f"{relative}/{name}"
+
+    def folders(self, prefix: str) -> list[str]:
+        base = self.path(prefix)
+        if not base.is_dir():
+            return []
+        return [entry.name for entry in base.iterdir() if entry.is_dir()]
+
+    def problem(self) -> str | None:
+        for folder in (self.root, *(self.root / name for name in (SAMPLES, REJECTS, PROMPTS))):
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+                probe = folder / f".writable.{os.getpid()}"
+                probe.write_bytes(b"")
+                probe.unlink()
+            except OSError as error:
+                return f"cannot write outputs under {folder}: {error.strerror or error}"
+        return None
+
+    def _write_temporary(self, final: Path, data: bytes) -> Path:
+        """`data` in a fsynced dotfile beside `final`, which readers and listings ignore."""
+        temporary = final.parent / f".{final.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
+        try:
+            with open(temporary, "wb") as file:
+                file.write(data)
+                file.flush()
+                os.fsync(file.fileno())
+        except BaseException:
+            temporary.unlink(missing_ok=True)
+            raise
+        return temporary
+
+    def _make_dirs(self, directory: Path) -> None:
+        missing = []
+        while not directory.is_dir():
+            missing.append(directory)
+            directory = directory.parent
+        for folder in reversed(missing):
+            folder.mkdir(exist_ok=True)
+            _fsync_dir(folder.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
