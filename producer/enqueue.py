@@ -238,4 +238,6 @@ class Enqueuer:
 
 
 def _flatten(mapping: dict[str, Any]) -> list[Any]:
-    return [item for pair in mapping.items() for item in pair]
+    """The job hash's fields as HSET takes them, less the empty ones (RQ reads a missing field as empty): each
+    field costs Redis memory in every pending job."""
+    return [item for pair in mapping.items() if pair[1] != "" for item in pair]

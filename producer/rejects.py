@@ -31,8 +31,11 @@ def rejected_lines(store: OutputStore, partition: str) -> set[int]:
 
 
 def accepted_prompts(store: OutputStore, partition: Partition) -> Iterator[Prompt]:
-    """The partition's prompts that the producer accepted, in input order, read as they are needed."""
+    """The partition's prompts that the producer accepted, in input order, read as they are needed.
+
+    The rejects report lists every line enqueue refused, duplicate ids included, so they are not looked for again.
+    """
     refused = rejected_lines(store, partition.name)
-    for item in read_prompts(partition.path):
+    for item in read_prompts(partition.path, find_duplicates=False):
         if isinstance(item, Prompt) and item.line not in refused:
             yield item

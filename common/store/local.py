@@ -79,7 +79,7 @@ class LocalStore(OutputStore):
             relative = Path(directory).relative_to(self.root).as_posix()
             for name in files:
                 if not name.startswith("."):
-                    yield f"{relative}/{name}"
+                    yield name if relative == "." else f"{relative}/{name}"
 
     def folders(self, prefix: str) -> list[str]:
         base = self.path(prefix)

@@ -262,7 +262,7 @@ def find_problems(status: Status) -> list[str]:
         elif partition.unqueued:
             problems.append(
                 f"{partition.name}: {partition.unqueued} accepted prompts have neither an output nor a job:"
-                f" `python -m producer enqueue --partition {partition.name}`"
+                f" `python -m producer enqueue --partition {partition.name}` (which also recounts what is done)"
             )
     return problems
 

@@ -44,9 +44,8 @@ class ExportCheck:
         self.options = ExportOptions(manifest["format"], **manifest["options"]) if manifest else None
         self.digest = hashlib.sha256()
         self.rows = 0
-        # Hashes of the sample IDs offered so far, and of those whose row was read.
-        self.offered: set[int] = set()
-        self.exported: set[int] = set()
+        # The samples offered so far, by the hash of their ID: whether their row was read.
+        self.offered: dict[int, bool] = {}
         self.repeats: Counter[str] = Counter()
         self.lacking: list[str] = []
         self._next: Row | None = None
@@ -57,7 +56,7 @@ class ExportCheck:
     def offer(self, prompt: Prompt, record: OutputRecord) -> None:
         """The next accepted prompt with an output: its row comes now, unless the export leaves it out."""
         sample = sample_key(prompt.sample_id)
-        self.offered.add(hash(sample))
+        self.offered[hash(sample)] = False
         while (row := self._peek()) is not None:
             found = sample_key(row[1].get("id"))
             if found == sample:
@@ -98,7 +97,7 @@ class ExportCheck:
     def _check(self, row: Row, sample: str, record: OutputRecord) -> None:
         number, fields = row
         where = f"{self.path.name}:{number} (id {sample!r})"
-        self.exported.add(hash(sample))
+        self.offered[hash(sample)] = True
         options = self._options()
         assert options is not None  # a row was read
         if not options.keeps(record):
@@ -109,7 +108,7 @@ class ExportCheck:
 
     def _stray(self, row: Row, sample: str) -> None:
         """A row out of its place: a repeat, or a sample that is no accepted prompt with an output."""
-        if hash(sample) in self.exported:
+        if self.offered.get(hash(sample)):
             self.repeats[sample] += 1
             return
         record = (

@@ -22,6 +22,8 @@ the sample IDs, not the samples.
 
 from __future__ import annotations
 
+from array import array
+from bisect import bisect_left
 from collections import Counter
 from pathlib import Path
 
@@ -67,7 +69,8 @@ class Verifier:
         export = None
         if self.export is not None:
             export = ExportCheck(self.export, name, self.manifest, self.store, self.tokenizer, self.report)
-        expected: set[int] = set()
+        # Hashes of the accepted prompts' job IDs, 8 bytes each: the store's listing is checked against them.
+        expected = array("q")
         sampling: Counter[bytes] = Counter()
         servers: Counter[str] = Counter()
         models: Counter[str] = Counter()
@@ -75,7 +78,7 @@ class Verifier:
             accepted_prompts(self.store, partition), desc=f"verify {name}", unit=" prompts", disable=None, leave=False
         ):
             identifier = job_id(name, prompt.sample_id)
-            expected.add(hash(identifier))
+            expected.append(hash(identifier))
             key = self.store.sample_key(name, identifier)
             record = self._read(name, key, missing=prompt)
             if record is None or not self._filed_right(name, key, record):
@@ -90,6 +93,7 @@ class Verifier:
                 export.offer(prompt, record)
         if export is not None:
             export.finish()
+            export = None  # its memory goes before the listing's
         self._unexplained(name, expected)
         if len(sampling) > 1:
             shown = "; ".join(f"{count} made with {params.decode()}" for params, count in sampling.most_common())
@@ -106,11 +110,17 @@ class Verifier:
             self.report.outputs += 1
             self.report.add("unexpected", name, f"{self._where(key)}: no {name}.jsonl in {self.settings.data_dir}")
 
-    def _unexplained(self, name: str, expected: set[int]) -> None:
+    def _unexplained(self, name: str, hashes: array) -> None:
         """Records in the store that no accepted prompt explains: stale, foreign, misfiled or copies."""
+        ordered = array("q", sorted(hashes))
+
+        def expected(identifier: str) -> bool:
+            index = bisect_left(ordered, hash(identifier))
+            return index < len(ordered) and ordered[index] == hash(identifier)
+
         for key in self.store.sample_keys(name):
             identifier = job_id_of(key)
-            if hash(identifier) in expected and key == self.store.sample_key(name, identifier):
+            if expected(identifier) and key == self.store.sample_key(name, identifier):
                 continue
             record = self._read(name, key)
             if record is None:
@@ -119,7 +129,7 @@ class Verifier:
                 self.report.add("unexpected", name, f"{self._where(key)}: sample {record.id!r} is no accepted prompt")
                 continue
             own = job_id(name, record.id)
-            if record.partition == name and hash(own) in expected and self.store.has(name, own):
+            if record.partition == name and expected(own) and self.store.has(name, own):
                 copies = f"{self._where(self.store.sample_key(name, own))}, {self._where(key)}"
                 self.report.add("duplicate", name, f"{name}/{sample_key(record.id)} is in 2 files: {copies}")
 
