@@ -18,3 +18,14 @@ def connect(settings: Settings) -> redis.Redis:
     except redis.RedisError as error:
         raise RedisUnavailable(f"cannot reach Redis at {settings.redis_url_redacted}: {error}") from error
     return connection
+
+
+def connection_url(connection: redis.Redis) -> str:
+    """Where a client connects, as a URL without user or password: for banners, and to compare two clients."""
+    options = connection.connection_pool.connection_kwargs
+    if "path" in options:
+        return f"unix://{options['path']}?db={options.get('db', 0)}"
+    host = options.get("host", "localhost")
+    host = "127.0.0.1" if host == "localhost" else host
+    scheme = "rediss" if issubclass(connection.connection_pool.connection_class, redis.SSLConnection) else "redis"
+    return f"{scheme}://{host}:{options.get('port', 6379)}/{options.get('db', 0)}"

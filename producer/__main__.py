@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -16,7 +17,8 @@ from common.settings import Settings, get_settings
 from common.store import OutputStore, StoreError, open_store
 from producer.dataset.formats import FORMATS
 from producer.errors import SetupError, writable_directory
-from producer.partitions import PartitionError, load_partitions
+from producer.partitions import Partition, PartitionError, check_known, load_partitions, stray_files
+from producer.wording import plural
 
 # Commands that tokenize import transformers (a second or two) when they run, so that status,
 # retry-failed and cancel answer at once.
@@ -28,11 +30,12 @@ def enqueue(args: argparse.Namespace) -> int:
     from producer.tokenizer import ChatTokenizer
 
     settings = get_settings()
-    partitions = load_partitions(settings.data_dir, args.partition)
+    partitions = _partitions(settings, args.partition)
     # The rejects report is written after a partition's jobs are pushed: a bad directory must stop us first.
     store = writable_store(settings)
     enqueuer = Enqueuer(connect(settings), settings, ChatTokenizer(settings.tokenizer), store)
-    columns = ("partition", "total", "done", "queued/running", "failed", "enqueued", "rejected")
+    # The state after enqueueing: `queued/running` counts the jobs queued now and those found already queued.
+    columns = ("partition", "total", "done", "queued/running", "failed", "rejected", "enqueued now")
     if not args.json:
         print(_row(columns))
     summaries: list[PartitionSummary] = []
@@ -47,13 +50,15 @@ def enqueue(args: argparse.Namespace) -> int:
                     summary.partition,
                     summary.total,
                     summary.done,
-                    summary.pending,
+                    summary.pending + summary.enqueued,
                     summary.failed,
-                    summary.enqueued,
                     summary.rejected,
+                    summary.enqueued,
                 )
             )
         )
+        if summary.total == 0:
+            print(f"  empty: no records in {settings.data_dir / summary.partition}.jsonl")
         for reject in summary.rejects[: args.show_rejects]:
             print(f"  rejected {reject}")
         if len(summary.rejects) > args.show_rejects:
@@ -89,21 +94,26 @@ def status(args: argparse.Namespace) -> int:
 
 
 def retry_failed(args: argparse.Namespace) -> int:
+    from producer.console.census import recorded_partitions
     from producer.console.retry import retry_failed as retry
 
     settings = get_settings()
-    summary = retry(connect(settings), open_store(settings), args.partition, args.cause)
+    connection = connect(settings)
+    _check_known(settings, args.partition or [], recorded_partitions(connection))
+    summary = retry(connection, open_store(settings), args.partition, args.cause)
     if args.json:
         _print_json(asdict(summary))
         return 0
     per_partition = ", ".join(f"{name}: {count}" for name, count in sorted(summary.retried.items()))
-    print(f"requeued {summary.retried.total()} failed jobs" + (f" ({per_partition})" if per_partition else ""))
+    requeued = plural(summary.retried.total(), "failed job")
+    print(f"requeued {requeued}" + (f" ({per_partition})" if per_partition else ""))
     if summary.already_done:
-        print(f"deleted {summary.already_done} failed jobs whose sample was committed meanwhile")
+        print(f"deleted {plural(summary.already_done, 'failed job')} whose sample was committed meanwhile")
     if summary.gone:
-        print(f"dropped {summary.gone} failed-registry entries whose job had expired from Redis")
+        entries = plural(summary.gone, "failed-registry entry", "failed-registry entries")
+        print(f"dropped {entries} whose job had expired from Redis")
     if summary.left:
-        print(f"left {summary.left} failed jobs that --partition or --cause did not select")
+        print(f"left {plural(summary.left, 'failed job')} that --partition or --cause did not select")
     return 0
 
 
@@ -113,6 +123,7 @@ def cancel(args: argparse.Namespace) -> int:
 
     settings = get_settings()
     connection = connect(settings)
+    _check_known(settings, args.partition, recorded_partitions(connection))
     canceled = cancel_queued(connection, args.partition)
     seconds, _ = connection.time()
     # Every recorded partition, not only the canceled ones: a job of `p--x` must not count as one of `p`'s.
@@ -124,7 +135,8 @@ def cancel(args: argparse.Namespace) -> int:
         return 0
     for name in args.partition:
         print(
-            f"{name}: canceled {canceled[name]} queued jobs; {len(census.in_flight[name])} in flight will finish"
+            f"{name}: canceled {plural(canceled[name], 'queued job')};"
+            f" {len(census.in_flight[name])} in flight will finish"
             f" (`python -m producer enqueue --partition {name}` queues the rest again)"
         )
     return 0
@@ -137,7 +149,7 @@ def export(args: argparse.Namespace) -> int:
     from producer.tokenizer import ChatTokenizer
 
     settings = get_settings()
-    partitions = load_partitions(settings.data_dir, args.partition)
+    partitions = _partitions(settings, args.partition)
     tokenizer = ChatTokenizer(settings.tokenizer)
     writable_directory(args.out, "export --out")
     store = open_store(settings)
@@ -181,7 +193,7 @@ def verify(args: argparse.Namespace) -> int:
 
     settings = get_settings()
     store = open_store(settings)
-    partitions = load_partitions(settings.data_dir, args.partition)
+    partitions = _partitions(settings, args.partition)
     verifier = Verifier(settings, store, ChatTokenizer(settings.tokenizer), args.export, args.show)
     for partition in partitions:
         verifier.partition(partition)
@@ -199,6 +211,20 @@ def writable_store(settings: Settings) -> OutputStore:
     if problem:
         raise SetupError(f"FLEET_OUTPUT_DIR: {problem}")
     return store
+
+
+def _partitions(settings: Settings, names: list[str]) -> list[Partition]:
+    """The partitions named, with a word on any file in the data directory that is not one."""
+    partitions = load_partitions(settings.data_dir, names)
+    if stray := stray_files(settings.data_dir):
+        print(f"note: skipped {', '.join(stray)} in {settings.data_dir}: a partition is NAME.jsonl", file=sys.stderr)
+    return partitions
+
+
+def _check_known(settings: Settings, names: list[str], recorded: Iterable[str]) -> None:
+    """Partitions named on the command line must exist: in the data directory, or enqueued before."""
+    files = {path.stem for path in settings.data_dir.glob("*.jsonl")} if settings.data_dir.is_dir() else set()
+    check_known(names, files | set(recorded), settings.data_dir)
 
 
 def _print_json(value: object) -> None:

@@ -70,12 +70,30 @@ def load_partitions(data_dir: Path, names: list[str]) -> list[Partition]:
     for name in options:
         if name not in available:
             raise PartitionError(f"{data_dir / OPTIONS_FILE}: table [{name}] names no {name}.jsonl in {data_dir}")
+    check_known(names, set(available), data_dir)
     wanted = sorted(available) if names in ([], ["all"]) else names
-    unknown = [name for name in wanted if name not in available]
-    if unknown:
-        listing = ", ".join(available) or "none"
-        raise PartitionError(f"unknown partition(s) {', '.join(unknown)} in {data_dir}; available: {listing}")
     return [Partition(name, available[name], options.get(name, PartitionOptions())) for name in wanted]
+
+
+def check_known(names: list[str], known: set[str], data_dir: Path) -> None:
+    """Refuse partition names that are neither in the data directory nor enqueued before, as load_partitions does."""
+    if names in ([], ["all"]):
+        return
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        listing = ", ".join(sorted(known)) or "none"
+        raise PartitionError(f"unknown partition(s) {', '.join(unknown)} in {data_dir}; available: {listing}")
+
+
+def stray_files(data_dir: Path) -> list[str]:
+    """Files in the data directory that are not partitions (`<name>.jsonl`) or their options."""
+    if not data_dir.is_dir():
+        return []
+    return sorted(
+        path.name
+        for path in data_dir.iterdir()
+        if path.is_file() and not path.name.startswith(".") and path.suffix != ".jsonl" and path.name != OPTIONS_FILE
+    )
 
 
 def _read_options(path: Path) -> dict[str, PartitionOptions]:

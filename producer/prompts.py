@@ -18,6 +18,7 @@ from typing import Any
 
 import orjson
 
+UTF8_BOM = b"\xef\xbb\xbf"
 PROMPT_FIELDS = ("messages", "conversations", "prompt", "input_ids")
 ROLES = {"system", "user", "assistant", "tool"}
 SHAREGPT_ROLES = {
@@ -70,6 +71,8 @@ def read_prompts(path: Path, find_duplicates: bool = True) -> Iterator[Prompt | 
     with open(path, "rb") as file:
         for index, raw in enumerate(file):
             line = index + 1
+            if index == 0:
+                raw = raw.removeprefix(UTF8_BOM)  # editors such as Notepad begin a UTF-8 file with one
             if not raw.strip():
                 continue
             try:

@@ -108,7 +108,7 @@ def test_specforge_rows_hold_exactly_the_generated_ids_where_text_would_not(flee
     assert f"data.max_length >= {longest}" in result.stdout
     assert orjson.loads((out / "manifest.json").read_bytes())["longest_tokens"] == longest
     code = fleet.producer("verify", "--export", str(out), check=False)
-    assert code.returncode == 0 and "verify: all good, 2 outputs of 1 partitions" in code.stdout, code.stdout
+    assert code.returncode == 0 and "verify: all good, 2 outputs of 1 partition" in code.stdout, code.stdout
 
     text = fleet.directory / "text"
     result = fleet.producer("export", "--out", str(text), "--format", "text")

@@ -109,7 +109,7 @@ def test_failure_records_are_never_unpickled(fleet: Fleet, redis_client: redis.R
     status = orjson.loads(fleet.producer("status", "--json").stdout)
     assert [failure["cause"] for failure in status["failures"]] == ["PermanentError: HTTP 400: too long"]
     assert not marker.exists()
-    assert "requeued 1 failed jobs (p: 1)" in fleet.producer("retry-failed").stdout
+    assert "requeued 1 failed job (p: 1)" in fleet.producer("retry-failed").stdout
     assert not marker.exists()
 
 
@@ -168,9 +168,9 @@ def test_retry_failed_requeues_selected_failures_once_under_their_own_ids(
 
     output = fleet.producer("retry-failed", "--partition", "p", "--cause", "http 400").stdout
 
-    assert "requeued 1 failed jobs (p: 1)" in output
-    assert "deleted 1 failed jobs whose sample was committed meanwhile" in output
-    assert "left 1 failed jobs" in output
+    assert "requeued 1 failed job (p: 1)" in output
+    assert "deleted 1 failed job whose sample was committed meanwhile" in output
+    assert "left 1 failed job" in output
     assert queued(redis_client) == [job_id("p", "big-1")] and status_of(redis_client, job_id("p", "big-1")) == "queued"
     assert failed.get_job_ids() == [job_id("q", "big-3")]
     assert not redis_client.exists(Job.key_for(job_id("p", "big-2")))

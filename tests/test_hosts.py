@@ -62,6 +62,6 @@ def test_workers_on_separate_hosts_commit_every_prompt_once_to_the_object_store(
     rows = [orjson.loads(line) for line in (export_home / "dataset" / "p.jsonl").read_bytes().splitlines()]
     assert [row["id"] for row in rows] == ids
     assert (
-        "verify: all good, 80 outputs of 1 partitions"
+        "verify: all good, 80 outputs of 1 partition"
         in fleet.producer("verify", "--export", str(export_home / "dataset")).stdout
     )

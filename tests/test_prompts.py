@@ -55,3 +55,9 @@ def test_a_file_yields_rejects_with_file_and_line_and_skips_blank_lines(tmp_path
     assert isinstance(malformed, Reject) and (malformed.line, malformed.file) == (3, str(path))
     assert "malformed JSON" in malformed.reason
     assert isinstance(duplicate, Reject) and duplicate.reason == "duplicate id 'a' (first on line 1)"
+
+
+def test_a_utf8_byte_order_mark_is_not_part_of_the_first_record(tmp_path: Path):
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"id": "a", "prompt": "Q"}\n{"id": "b", "prompt": "R"}\n')
+    assert [prompt.sample_id for prompt in read_prompts(path)] == ["a", "b"]

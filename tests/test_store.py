@@ -23,7 +23,7 @@ def record(sample: int, text: str = "t", partition: str = "p") -> OutputRecord:
     )  # fmt: skip
 
 
-@pytest.fixture(params=["local", "s3"])
+@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.e2e)])
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[OutputStore]:
     if request.param == "local":
         yield LocalStore(tmp_path / "output")

@@ -25,6 +25,7 @@ from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any
 
+import redis
 from pydantic import ValidationError
 from rq import Queue, Worker
 from rq.exceptions import DeserializationError
@@ -32,6 +33,7 @@ from rq.job import Job
 from rq.logutils import setup_loghandlers
 from rq.serializers import JSONSerializer
 
+from common.connection import connection_url
 from common.protocol import outcomes
 from common.protocol.keys import (
     COMPLETIONS_KEY,
@@ -81,6 +83,7 @@ class FleetWorker(Worker):
         log_format = kwargs.get("log_format") or "%(asctime)s %(message)s"
         for name in ("rq.worker", "worker"):
             setup_loghandlers(logging_level or "INFO", date_format, log_format, name=name)
+        self._check_redis()
         try:
             store = open_store(self.settings)
             problem = store.problem()
@@ -92,6 +95,16 @@ class FleetWorker(Worker):
         if self.fatal:
             log.error("stopped: %s", self.fatal)
         return self.fatal is None
+
+    def _check_redis(self) -> None:
+        """Refuse a Redis other than FLEET_REDIS_URL: the worker would wait for jobs the producer never sends it."""
+        actual = connection_url(self.connection)
+        expected = connection_url(redis.Redis.from_url(self.settings.redis_url))
+        if actual != expected:
+            raise SystemExit(
+                f"error: this worker's Redis is {actual} (rq worker's --url or RQ_REDIS_URL), but FLEET_REDIS_URL"
+                f" is {expected}, where the producer enqueues: give both the same URL"
+            )
 
     def slots(self, queue: Queue) -> int:
         """How many more jobs of `queue` this worker may start now."""
@@ -111,7 +124,13 @@ class FleetWorker(Worker):
         self.generator = Generator(self.settings, store, self.client)
         await self.client.start()
         await call_redis(self.register_birth)
-        log.info("FleetWorker %s: queues %s", self.name, self._slot_summary())
+        log.info(
+            "FleetWorker %s on Redis %s: %s; servers %s",
+            self.name,
+            connection_url(self.connection),
+            self._slot_summary(),
+            ", ".join(self.settings.sglang_url),
+        )
         background = [
             asyncio.create_task(self._every_heartbeat(self._heartbeat_once)),
             asyncio.create_task(self._every_heartbeat(self._reap)),
@@ -124,14 +143,20 @@ class FleetWorker(Worker):
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
             await call_redis(self.register_death)
+            # Gone at once from `status`, rather than when the report would have expired.
+            await call_redis(self.connection.delete, worker_state_key(self.name))
             await self.client.close()
         log.info("FleetWorker %s: stopped", self.name)
 
     async def _dequeue(self, burst: bool) -> None:
         while not self._stop.is_set():
             if not self.client.any_healthy.is_set():
-                log.info("no healthy server: not dequeuing until one answers /health_generate")
-                await _first(self.client.any_healthy.wait(), self._stop.wait())
+                # Said once every server has answered its first probe (or failed to): not before.
+                await _first(self.client.all_probed(), self._stop.wait())
+                if not self.client.any_healthy.is_set() and not self._stop.is_set():
+                    problems = "; ".join(f"{server.url}: {server.problem}" for server in self.client.servers)
+                    log.warning("no healthy server (%s): not dequeuing until one answers /health_generate", problems)
+                    await _first(self.client.any_healthy.wait(), self._stop.wait())
                 continue
             claimed = await self._claim_free_slots()
             if burst and not claimed and not self.in_flight:

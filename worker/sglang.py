@@ -77,6 +77,9 @@ class Server:
     model: str = ""
     version: str = ""
     healthy: bool = False
+    # Why the last probe failed (connection refused, an HTTP status), while the server is down.
+    problem: str = "not probed yet"
+    probed: asyncio.Event = field(default_factory=asyncio.Event)
     in_flight: int = 0
     down_since: float | None = field(default_factory=time.time)
 
@@ -100,6 +103,10 @@ class SGLangClient:
         self._session = aiohttp.ClientSession(connector=connector, headers=headers, timeout=timeout)
         for server in self.servers:
             self._mark_down(server)
+
+    async def all_probed(self) -> None:
+        """Return once every server has answered, or failed, its first probe."""
+        await asyncio.gather(*(server.probed.wait() for server in self.servers))
 
     async def close(self) -> None:
         for probe in self._probes.values():
@@ -184,13 +191,19 @@ class SGLangClient:
                 async with self.session.get(f"{server.url}/health_generate", timeout=timeout) as response:
                     if response.status == 200:
                         break
-            except (aiohttp.ClientError, TimeoutError):
-                pass
+                    server.problem = f"/health_generate answered HTTP {response.status}"
+            except TimeoutError:
+                server.problem = f"no answer on /health_generate within {PROBE_TIMEOUT:g}s"
+            except aiohttp.ClientError as error:
+                server.problem = f"{type(error).__name__}: {error}"
+            server.probed.set()
             await asyncio.sleep(PROBE_INTERVAL)
         server.model = str((await self._info(server, "/model_info")).get("model_path", ""))
         server.version = str((await self._info(server, "/server_info")).get("version", ""))
         log.info("server %s (SGLang %s) is healthy, serving %s", server.url, server.version, server.model)
         server.healthy = True
+        server.problem = ""
+        server.probed.set()
         server.down_since = None
         del self._probes[server.url]
         self.any_healthy.set()

@@ -25,6 +25,37 @@ class Failure:
     partition: str
     line: str  # the failure's own line: the exception and its message
     cause: str
+    worker: str = ""  # the worker that failed it, as RQ recorded
+
+
+# What to do about the causes with a known remedy, by a piece of their text.
+FIXES = (
+    (
+        ("DeserializationError", "run only in worker.FleetWorker"),
+        "a plain RQ worker took these jobs: start workers with `rq worker -w worker.FleetWorker short long`"
+        " (or `python -m worker`), then `python -m producer retry-failed`",
+    ),
+    (
+        ("HTTP 400",),
+        "the server refused the request itself (a prompt too long, a sampling parameter): fix the partition or"
+        " the settings, then `python -m producer retry-failed`",
+    ),
+    (
+        ("ServerDown",),
+        "in flight through FLEET_MAX_SERVER_FAILURES server crashes: it may be what crashes the server;"
+        " look at the prompt before `retry-failed`",
+    ),
+    (
+        ("PromptMissing",),
+        "the prompt's ids are not in this worker's output store: give every host the same FLEET_OUTPUT_DIR,"
+        " then `python -m producer retry-failed`",
+    ),
+    (("Refused:",), "not a job the producer made: delete it from the failed registry"),
+)
+
+
+def fix_for(cause: str) -> str | None:
+    return next((fix for pieces, fix in FIXES if any(piece in cause for piece in pieces)), None)
 
 
 def read_failures(connection: Redis, partition_of: dict[str, str]) -> list[Failure]:
@@ -36,14 +67,14 @@ def read_failures(connection: Redis, partition_of: dict[str, str]) -> list[Failu
         replies = pipeline.execute()
     failures = []
     for job_id, reply in zip(job_ids, replies, strict=True):
-        text = _exc_string(connection, job_id, reply[0]) if reply else ""
+        text, worker = _exc_string(connection, job_id, reply[0]) if reply else ("", "")
         line = failure_line(text) or "no failure recorded"
-        failures.append(Failure(job_id, partition_of[job_id], line, cause_of(line)))
+        failures.append(Failure(job_id, partition_of[job_id], line, cause_of(line), worker))
     return failures
 
 
-def _exc_string(connection: Redis, job_id: str, entry: tuple[bytes, dict[bytes, bytes]]) -> str:
-    """The failure text of one entry of a job's RQ results stream.
+def _exc_string(connection: Redis, job_id: str, entry: tuple[bytes, dict[bytes, bytes]]) -> tuple[str, str]:
+    """The failure text of one entry of a job's RQ results stream, and the worker that recorded it.
 
     Whoever can write to Redis can forge these entries: `return_value` is left out before RQ reads
     the entry (RQ would unpickle it by default, and this needs only `exc_string`), and JSON is the
@@ -54,8 +85,8 @@ def _exc_string(connection: Redis, job_id: str, entry: tuple[bytes, dict[bytes, 
     try:
         result = Result.restore(job_id, result_id.decode(), payload, connection=connection, serializer=JSONSerializer)
     except (ValueError, KeyError, zlib.error) as error:
-        return f"unreadable failure record: {type(error).__name__}"
-    return result.exc_string or ""
+        return f"unreadable failure record: {type(error).__name__}", ""
+    return result.exc_string or "", result.worker_name or ""
 
 
 def failure_line(text: str) -> str:

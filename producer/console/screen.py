@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import time
 
+from producer.console.causes import fix_for
 from producer.console.roster import WorkerView
 from producer.console.status import PartitionProgress, Status
+from producer.wording import plural
 
 COLUMNS = (
     "partition",
@@ -28,11 +30,15 @@ def render(status: Status) -> str:
     lines += _partitions(status)
     lines += ["", *_throughput(status), "", *_workers(status.workers), "", *_servers(status)]
     if status.failures:
-        lines += ["", f"failures ({sum(len(group) for _, group in status.failures)} jobs, by cause)"]
+        lines += ["", f"failures ({plural(sum(len(group) for _, group in status.failures), 'job')}, by cause)"]
         for cause, group in status.failures:
             partitions = ", ".join(sorted({failure.partition for failure in group}))
-            lines.append(f"  {len(group):>6}  {cause}  [{partitions}; e.g. {group[0].job_id}]")
+            workers = ", ".join(sorted({failure.worker for failure in group if failure.worker}))
+            lines.append(f"  {len(group):>6}  {cause}  [{partitions}; e.g. {group[0].job_id}; by {workers or '?'}]")
+            if fix := fix_for(cause):
+                lines.append(f"          fix: {fix}")
     lines.append("")
+    lines += [f"note: {note}" for note in status.notes]
     if status.problems:
         lines.append(f"PROBLEMS ({len(status.problems)})")
         lines += [f"  ! {problem}" for problem in status.problems]

@@ -19,10 +19,11 @@ from common.protocol.keys import COMPLETIONS_KEY, TOTALS_KEY, partition_key
 from common.records import Totals
 from common.settings import Settings
 from common.store import OutputStore
-from producer.console.causes import Failure, group_by_cause, read_failures
+from producer.console.causes import Failure, fix_for, group_by_cause, read_failures
 from producer.console.census import UNKNOWN, PartitionResolver, recorded_partitions, take_census
 from producer.console.health import ServerView, inspect_servers, server_urls
 from producer.console.roster import WorkerView, fleet_load, list_workers
+from producer.wording import plural
 
 # Seconds of recent completions that recent throughput and the ETAs are measured over.
 WINDOW = 60.0
@@ -95,6 +96,8 @@ class Status:
     # Per queue: jobs in flight in the live workers, and the fleet-wide cap on them (FLEET_*_CONCURRENCY).
     queues: dict[str, dict[str, int]] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
+    # What is worth knowing but needs no action.
+    notes: list[str] = field(default_factory=list)
 
     @property
     def eta_s(self) -> float | None:
@@ -118,10 +121,13 @@ class Status:
                     "count": len(group),
                     "partitions": dict(sorted(_count_by_partition(group).items())),
                     "example": {"job_id": group[0].job_id, "failure": group[0].line},
+                    "workers": sorted({failure.worker for failure in group if failure.worker}),
+                    "fix": fix_for(cause),
                 }
                 for cause, group in self.failures
             ],
             "problems": self.problems,
+            "notes": self.notes,
         }
 
 
@@ -165,6 +171,11 @@ def collect_status(connection: Redis, settings: Settings, store: OutputStore, re
         queues=fleet_load(workers, settings),
     )
     status.problems = find_problems(status)
+    if not settings.data_dir.is_dir():
+        status.notes.append(
+            f"FLEET_DATA_DIR {settings.data_dir} does not exist here: status needs only Redis and the store,"
+            " but enqueue, export and verify read the partitions there"
+        )
     return status
 
 
@@ -249,7 +260,7 @@ def find_problems(status: Status) -> list[str]:
     failed = sum(len(group) for _, group in status.failures)
     if failed:
         problems.append(
-            f"{failed} failed jobs, {len(status.failures)} causes (below): fix the cause, then"
+            f"{plural(failed, 'failed job')}, {plural(len(status.failures), 'cause')} (below): fix the cause, then"
             " `python -m producer retry-failed`"
         )
     for partition in status.partitions:

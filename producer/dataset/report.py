@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
+from producer.wording import plural
+
 PROBLEMS = {
     "missing": "accepted prompts without an output",
     "unexpected": "outputs of no accepted prompt (stale or foreign files)",
@@ -76,8 +78,7 @@ class Report:
                     lines.append(f"    {finding.partition + ': ' if finding.partition else ''}{finding.detail}")
                 if total > len(self.examples[kind]):
                     lines.append(f"    ... and {total - len(self.examples[kind])} more")
-        summary = f"{self.outputs} outputs of {partitions} partitions"
-        lines.append(
-            f"verify: {self.problems} problems in {summary}" if self.problems else f"verify: all good, {summary}"
-        )
+        summary = f"{plural(self.outputs, 'output')} of {plural(partitions, 'partition')}"
+        problems = plural(self.problems, "problem")
+        lines.append(f"verify: {problems} in {summary}" if self.problems else f"verify: all good, {summary}")
         return "\n".join(lines)
