@@ -30,9 +30,9 @@ from pathlib import Path
 import httpx
 import orjson
 from rq.job import Job
-from rq.serializers import JSONSerializer
 
 from common.protocol.keys import job_id
+from common.protocol.serializer import PlainPickle
 from tests.harness import ROOT, Fleet, RedisServer, Simulator, wait_until
 
 SHORT, LONG = 150, 32
@@ -140,7 +140,7 @@ def baseline_prompts(fleet: Fleet, client, path: Path) -> None:
     for partition in ("short", "long"):
         for line in (fleet.data_dir / f"{partition}.jsonl").read_bytes().splitlines():
             sample = orjson.loads(line)["id"]
-            kwargs = Job.fetch(job_id(partition, sample), connection=client, serializer=JSONSerializer).kwargs
+            kwargs = Job.fetch(job_id(partition, sample), connection=client, serializer=PlainPickle).kwargs
             record = {"id": f"{partition}-{sample}", "queue": partition} | kwargs
             lines.append(orjson.dumps(record))
     path.write_bytes(b"\n".join(lines) + b"\n")

@@ -17,7 +17,6 @@ from rq import Retry
 from rq.job import Job, JobStatus
 from rq.queue import Queue
 from rq.registry import FailedJobRegistry
-from rq.serializers import JSONSerializer
 from tqdm import tqdm
 
 from common.protocol import scripts
@@ -29,6 +28,7 @@ from common.protocol.keys import (
     job_id,
     partition_key,
 )
+from common.protocol.serializer import PlainPickle
 from common.records import GenerationJob, PromptRef
 from common.settings import Settings
 from common.store import OutputStore
@@ -80,12 +80,12 @@ class Enqueuer:
         self.script = connection.register_script(scripts.ENQUEUE)
         # Every queue's, not only the partition's own: the partition may have changed queues since its job failed.
         self.failed_registries = [
-            FailedJobRegistry(name, connection=connection, serializer=JSONSerializer).key for name in QUEUES
+            FailedJobRegistry(name, connection=connection, serializer=PlainPickle).key for name in QUEUES
         ]
 
     def enqueue(self, partition: Partition) -> PartitionSummary:
         summary = PartitionSummary(partition.name)
-        queue = Queue(partition.queue, connection=self.connection, serializer=JSONSerializer)
+        queue = Queue(partition.queue, connection=self.connection, serializer=PlainPickle)
         sampling_params = partition.sampling_params(self.settings)
         # `status` reads done counts that workers keep; they are reset here to the store's count. A commit made
         # while the store is listed may be counted twice: `status --recount` counts again when workers are idle.
@@ -216,7 +216,7 @@ class Enqueuer:
             # A healthy generation can run for many minutes: no job timeout.
             timeout=-1,
             result_ttl=self.settings.result_ttl,
-            serializer=JSONSerializer,
+            serializer=PlainPickle,
             status=JobStatus.QUEUED,
             retry=Retry(max=REQUEUES_AFTER_WORKER_DEATH, enqueue_at_front=True),
         )

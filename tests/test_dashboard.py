@@ -1,4 +1,4 @@
-"""rq-dashboard against the fleet's Redis, started as the README says: `rq-dashboard --json -u REDIS_URL`."""
+"""rq-dashboard against the fleet's Redis, started as the README says: `rq-dashboard -u REDIS_URL`."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from common.protocol.keys import job_id
 from tests.harness import Fleet, ManagedProcess, RedisServer, Simulator, free_port, wait_until
 
 
-def test_rq_dashboard_lists_the_fleets_queues_and_reads_its_json_jobs(
+def test_rq_dashboard_lists_the_fleets_queues_and_reads_its_jobs(
     fleet: Fleet, start_simulator: Callable[..., Simulator], redis_server: RedisServer, tmp_path: Path
 ):
     fleet.point_at(start_simulator())
@@ -26,7 +26,6 @@ def test_rq_dashboard_lists_the_fleets_queues_and_reads_its_json_jobs(
         sys.executable,
         "-m",
         "rq_dashboard",
-        "--json",
         "-u",
         redis_server.url,
         "-b",
@@ -49,7 +48,7 @@ def test_rq_dashboard_lists_the_fleets_queues_and_reads_its_json_jobs(
         listed = wait_until(queues, timeout=30, what="rq-dashboard to answer")
         assert (listed["short"]["count"], listed["short"]["finished_job_registry_count"]) == (0, 2)
         assert (listed["long"]["count"], listed["long"]["failed_job_registry_count"]) == (3, 0)
-        # Finished jobs carry JSON results: only --json reads them.
+        # Job data and results are plain pickles: rq-dashboard reads them with RQ's default serializer.
         finished = httpx.get(f"{base}/data/jobs/short/finished/8/asc/1.json", timeout=5).json()
         assert sorted(job["id"] for job in finished["jobs"]) == [job_id("p", "p-0"), job_id("p", "p-1")]
         job = httpx.get(f"{base}/data/job/{job_id('q', 'q-0')}.json", timeout=5).json()

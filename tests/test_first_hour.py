@@ -9,9 +9,11 @@ from collections.abc import Callable
 
 import orjson
 import redis
+from rq.job import Job
+from rq.serializers import JSONSerializer
 
-from common.protocol.keys import worker_state_key
-from tests.harness import ROOT, Fleet, Simulator, free_port, prompts, wait_until
+from common.protocol.keys import JOB_FUNCTION, job_id, worker_state_key
+from tests.harness import ROOT, Fleet, Simulator, free_port, wait_until
 
 Start = Callable[..., Simulator]
 
@@ -63,9 +65,14 @@ def test_a_cleanly_stopped_worker_leaves_status_at_once(
     assert status["workers"] == [] and not any("not registered" in problem for problem in status["problems"])
 
 
-def test_a_plain_rq_workers_failures_come_with_the_fix_and_the_worker(fleet: Fleet, redis_client: redis.Redis):
-    fleet.write_partition("p", prompts(2))
-    fleet.producer("enqueue")
+def test_jobs_a_plain_rq_worker_cannot_read_fail_with_the_fix_and_the_worker(fleet: Fleet, redis_client: redis.Redis):
+    # Jobs written as JSON (by an earlier version): RQ's own worker, which reads pickle, cannot run them.
+    for n in range(2):
+        arguments = {"partition": "p", "sample_id": n, "input_ids": [1, 2], "sampling_params": {}}
+        job = Job.create(JOB_FUNCTION, kwargs=arguments, connection=redis_client, id=job_id("p", n), origin="short",
+                         serializer=JSONSerializer, status="queued")  # fmt: skip
+        job.save()
+        redis_client.rpush("rq:queue:short", job.id)
     command = [
         sys.executable,
         "-m",
@@ -80,7 +87,7 @@ def test_a_plain_rq_workers_failures_come_with_the_fix_and_the_worker(fleet: Fle
     subprocess.run([*command, "short"], cwd=ROOT, env=fleet.env, capture_output=True, timeout=60, check=False)
     status = orjson.loads(fleet.producer("status", "--json").stdout)
     [failure] = status["failures"]
-    assert failure["count"] == 2 and failure["workers"] == ["plain-one"]
+    assert failure["count"] == 2 and failure["workers"] == ["plain-one"] and "DeserializationError" in failure["cause"]
     assert "rq worker -w worker.FleetWorker" in failure["fix"] and "retry-failed" in failure["fix"]
     assert "fix: a plain RQ worker took these jobs" in fleet.producer("status").stdout
 

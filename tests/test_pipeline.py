@@ -24,6 +24,7 @@ from rq.registry import FailedJobRegistry, StartedJobRegistry
 from rq.serializers import JSONSerializer
 
 from common.protocol.keys import DUPLICATES_KEY, job_id
+from common.protocol.serializer import PlainPickle
 from tests.harness import (
     ROOT,
     Fleet,
@@ -102,9 +103,9 @@ def test_http_400_fails_the_job_with_the_servers_message(fleet: Fleet, start_sim
     assert fleet.start_worker("--burst").wait(timeout=60) == 0
 
     assert [record["id"] for record in fleet.outputs("p")] == ["short"]
-    failed = FailedJobRegistry("short", connection=redis_client, serializer=JSONSerializer)
+    failed = FailedJobRegistry("short", connection=redis_client, serializer=PlainPickle)
     assert failed.get_job_ids() == [job_id("p", "long")]
-    job = Job.fetch(job_id("p", "long"), connection=redis_client, serializer=JSONSerializer)
+    job = Job.fetch(job_id("p", "long"), connection=redis_client, serializer=PlainPickle)
     assert "HTTP 400" in job.latest_result().exc_string
     # A re-run of enqueue leaves the failed job alone.
     assert counts(fleet.enqueued()) == (2, 1, 0, 1, 0, 0)
@@ -146,7 +147,7 @@ def test_sigkilled_worker_jobs_are_requeued_and_finished(fleet: Fleet, start_sim
     assert_exactly_once(fleet, "p", [f"p-{n}" for n in range(30)])
     assert redis_client.zcard(wip) == 0
     # Reaping spends none of the job's retry budget.
-    assert Job.fetch(job_id("p", "p-0"), connection=redis_client, serializer=JSONSerializer).retries_left == 100
+    assert Job.fetch(job_id("p", "p-0"), connection=redis_client, serializer=PlainPickle).retries_left == 100
 
 
 def test_redis_restarted_empty_mid_run_is_recovered_by_reenqueue(
@@ -178,7 +179,7 @@ def test_sigterm_lets_jobs_finish_then_requeues_the_rest(fleet: Fleet, start_sim
     fleet.write_partition("p", prompts(10))
     fleet.producer("enqueue")
     worker = fleet.start_worker(env={"FLEET_SHUTDOWN_GRACE": "0.5"})
-    started = StartedJobRegistry("short", connection=redis_client, serializer=JSONSerializer)
+    started = StartedJobRegistry("short", connection=redis_client, serializer=PlainPickle)
     wait_until(lambda: started.count == 10, what="10 jobs in flight")
     worker.signal(signal.SIGTERM)
     assert worker.wait(timeout=30) == 0
@@ -205,27 +206,30 @@ def test_worker_runs_nothing_but_the_generation_job(fleet: Fleet, start_simulato
     queue_raw_job(redis_client, "evil", "os.system", args=[f"touch {marker}"])
     assert fleet.start_worker("--burst").wait(timeout=30) == 0
     assert not marker.exists()
-    failure = Job.fetch("evil", connection=redis_client, serializer=JSONSerializer).latest_result().exc_string
+    failure = Job.fetch("evil", connection=redis_client, serializer=PlainPickle).latest_result().exc_string
     assert "FleetWorker runs only worker.jobs.generate" in failure
 
 
-def test_a_plain_rq_worker_started_by_mistake_destroys_no_job(
-    fleet: Fleet, start_simulator: Start, redis_client: redis.Redis
-):
-    fleet.write_partition("p", prompts(3))
+def test_rq_worker_typed_as_is_generates_every_prompt_once(fleet: Fleet, start_simulator: Start):
+    simulator = start_simulator("--max-output-tokens", "32")
+    fleet.point_at(simulator)
+    fleet.write_partition("p", prompts(6))
+    fleet.write_partition("q", [{"id": f"q-{n}", "prompt": f"Long question {n}?"} for n in range(3)])
+    (fleet.data_dir / "partitions.toml").write_text('[q]\nqueue = "long"\n')
     fleet.producer("enqueue")
-    command = [sys.executable, "-m", "rq.cli", "worker", "--burst", "-u", fleet.env["FLEET_REDIS_URL"], "short"]
-    subprocess.run(command, cwd=ROOT, env=fleet.env, capture_output=True, timeout=60, check=False)
-    # Whatever it did, every job still exists with its arguments, queued or failed...
-    for n in range(3):
-        job = Job.fetch(job_id("p", f"p-{n}"), connection=redis_client, serializer=JSONSerializer)
-        assert job.kwargs["sample_id"] == f"p-{n}"
-        assert job.get_status() in ("queued", "failed")
-    # ...and once the failed ones are retried, a FleetWorker runs every one of them, once.
-    fleet.producer("retry-failed")
-    fleet.point_at(start_simulator())
-    assert fleet.start_worker("--burst").wait(timeout=60) == 0
-    assert_exactly_once(fleet, "p", [f"p-{n}" for n in range(3)])
+    # No -w, no RQ_WORKER_CLASS: RQ's own worker with its defaults (pickle), one job at a time.
+    command = [sys.executable, "-m", "rq.cli", "worker", "--burst", "-u", fleet.env["FLEET_REDIS_URL"], "short", "long"]
+    result = subprocess.run(command, cwd=ROOT, env=fleet.env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert (result.stdout + result.stderr).count("a plain RQ worker runs one generation at a time") == 1
+    assert_exactly_once(fleet, "p", [f"p-{n}" for n in range(6)])
+    assert_exactly_once(fleet, "q", [f"q-{n}" for n in range(3)])
+    assert orjson.loads(fleet.producer("status", "--json").stdout)["partitions"]["p"]["done"] == 6
+    # Run again, it finds every sample committed and generates nothing.
+    fleet.producer("enqueue")
+    requests = simulator.stats()["requests"]
+    assert subprocess.run(command, cwd=ROOT, env=fleet.env, capture_output=True, timeout=60).returncode == 0
+    assert simulator.stats()["requests"] == requests
 
 
 def test_a_wrong_api_key_stops_the_worker_without_failing_jobs(fleet: Fleet, start_simulator: Start, redis_client):
@@ -254,7 +258,7 @@ def test_unreadable_or_hostile_jobs_fail_alone(fleet: Fleet, start_simulator: St
     assert fleet.start_worker("--burst").wait(timeout=60) == 0
 
     assert_exactly_once(fleet, "p", [f"p-{n}" for n in range(5)])
-    failed = FailedJobRegistry("short", connection=redis_client, serializer=JSONSerializer)
+    failed = FailedJobRegistry("short", connection=redis_client, serializer=PlainPickle)
     assert sorted(failed.get_job_ids()) == ["broken", "escape"]
     assert not (fleet.output_dir / "escaped").exists() and not (tmp_path / "escaped").exists()
 

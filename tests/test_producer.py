@@ -9,11 +9,11 @@ import time
 import orjson
 import redis
 from rq.job import Job
-from rq.serializers import JSONSerializer
 from transformers import AutoTokenizer
 
 from common.protocol.keys import job_id
 from common.protocol.scripts import ENQUEUE as ENQUEUE_SCRIPT
+from common.protocol.serializer import PlainPickle
 from common.records import OutputRecord, PromptRef
 from common.store import LocalStore
 from tests.harness import ROOT, Fleet, counts
@@ -26,7 +26,7 @@ def queued(client: redis.Redis, queue: str = "short") -> list[str]:
 
 
 def job_kwargs(client: redis.Redis, identifier: str) -> dict:
-    return Job.fetch(identifier, connection=client, serializer=JSONSerializer).kwargs
+    return Job.fetch(identifier, connection=client, serializer=PlainPickle).kwargs
 
 
 def test_every_kind_of_bad_record_is_rejected_with_file_line_and_reason(fleet: Fleet, redis_client: redis.Redis):

@@ -9,9 +9,9 @@ RQ's bookkeeping stays true: a claimed job is `started` and listed in its queue'
 StartedJobRegistry, and results and failures are recorded as RQ's own worker records them, so
 `rq info` and rq-dashboard show the fleet as it is.
 
-Security: jobs are read with RQ's JSON serializer whatever the command line says, and only the
-project's own job function is executed, whatever a job in Redis names; no callback named in a job
-is ever imported.
+Security: jobs are read with an unpickler of plain values only (common/protocol/serializer.py) whatever
+the command line says, and only the project's own job function is executed, whatever a job in Redis
+names; no callback named in a job is ever imported.
 """
 
 from __future__ import annotations
@@ -31,21 +31,16 @@ from rq import Queue, Worker
 from rq.exceptions import DeserializationError
 from rq.job import Job
 from rq.logutils import setup_loghandlers
-from rq.serializers import JSONSerializer
 
 from common.connection import connection_url
 from common.protocol import outcomes
 from common.protocol.keys import (
-    COMPLETIONS_KEY,
-    COMPLETIONS_MAXLEN,
-    DUPLICATES_KEY,
     JOB_FUNCTION,
     REAPER_LOCK,
-    TOTALS_KEY,
     job_id,
-    partition_key,
     worker_state_key,
 )
+from common.protocol.serializer import PlainPickle
 from common.records import GenerationJob, GenerationResult, ServerSeen, WorkerReport
 from common.settings import Settings, get_settings
 from common.store import OutputStore, StoreError, open_store
@@ -62,12 +57,10 @@ POLL_INTERVAL = 0.2
 
 class FleetWorker(Worker):
     def __init__(self, queues: Any, *args: Any, **kwargs: Any) -> None:
-        kwargs["serializer"] = JSONSerializer
+        kwargs["serializer"] = PlainPickle
         super().__init__(queues, *args, **kwargs)
-        # `rq worker` builds its queues with the command line's serializer: rebuild them with JSON.
-        self.queues = [
-            Queue(queue.name, connection=self.connection, serializer=JSONSerializer) for queue in self.queues
-        ]
+        # `rq worker` builds its queues with the command line's serializer: rebuild them with the fleet's.
+        self.queues = [Queue(queue.name, connection=self.connection, serializer=PlainPickle) for queue in self.queues]
         self._ordered_queues = self.queues[:]
         self.settings: Settings = get_settings()
         self.worker_ttl = self.settings.lease_ttl
@@ -187,7 +180,7 @@ class FleetWorker(Worker):
 
     async def _perform(self, lease: Lease, fields: dict[bytes, bytes]) -> None:
         try:
-            job = Job(lease.job_id, connection=self.connection, serializer=JSONSerializer)
+            job = Job(lease.job_id, connection=self.connection, serializer=PlainPickle)
             try:
                 job.restore(fields)
             except Exception as error:
@@ -223,7 +216,7 @@ class FleetWorker(Worker):
         try:
             function = job.func_name
         except DeserializationError as error:
-            raise _Refused(f"Refused: job data is not JSON written by the producer ({error})") from error
+            raise _Refused(f"Refused: job data is not plain data written by the producer ({error})") from error
         if function != JOB_FUNCTION:
             raise _Refused(f"Refused: FleetWorker runs only {JOB_FUNCTION}, not {function!r}")
         try:
@@ -249,16 +242,7 @@ class FleetWorker(Worker):
         with self.connection.pipeline() as pipeline:
             outcomes.record_success(pipeline, job, result, self.settings.result_ttl, self.name, **execution)
             self.leases.finish(pipeline, lease)
-            if result.duplicate:
-                pipeline.incr(DUPLICATES_KEY)
-            if result.committed:
-                # Throughput figures for `python -m producer status` (common.records.Totals).
-                tokens = result.completion_tokens
-                pipeline.xadd(COMPLETIONS_KEY, {"tokens": tokens}, maxlen=COMPLETIONS_MAXLEN, approximate=True)
-                pipeline.hincrby(TOTALS_KEY, "samples", 1)
-                pipeline.hincrby(TOTALS_KEY, "tokens", tokens)
-                pipeline.hsetnx(TOTALS_KEY, "first_at", time.time())
-                pipeline.hincrby(partition_key(partition), "done", 1)
+            outcomes.record_counts(pipeline, partition, result)
             self.increment_successful_job_count(pipeline=pipeline)
             self.increment_total_working_time(ended_at - lease.started_at, pipeline)
             pipeline.execute()

@@ -92,8 +92,12 @@ class SGLangClient:
         self._probes: dict[str, asyncio.Task[None]] = {}
         self._session: aiohttp.ClientSession | None = None
 
-    async def start(self) -> None:
-        """Open the connection pool and begin probing every server; `any_healthy` is set once one answers."""
+    async def start(self, probe: bool = True) -> None:
+        """Open the connection pool and begin probing every server; `any_healthy` is set once one answers.
+
+        Without `probe` (one generation in a plain RQ worker's horse) the servers are taken as healthy until
+        a request finds one down: SGLang's /health_generate generates a token of its own each time.
+        """
         headers = {}
         if self.settings.sglang_api_key is not None:
             headers["Authorization"] = f"Bearer {self.settings.sglang_api_key.get_secret_value()}"
@@ -102,7 +106,11 @@ class SGLangClient:
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_TIMEOUT)
         self._session = aiohttp.ClientSession(connector=connector, headers=headers, timeout=timeout)
         for server in self.servers:
-            self._mark_down(server)
+            if probe:
+                self._mark_down(server)
+            else:
+                await self._describe(server)
+                self._set_healthy(server)
 
     async def all_probed(self) -> None:
         """Return once every server has answered, or failed, its first probe."""
@@ -198,12 +206,19 @@ class SGLangClient:
                 server.problem = f"{type(error).__name__}: {error}"
             server.probed.set()
             await asyncio.sleep(PROBE_INTERVAL)
+        await self._describe(server)
+        log.info("server %s (SGLang %s) is healthy, serving %s", server.url, server.version, server.model)
+        del self._probes[server.url]
+        self._set_healthy(server)
+
+    async def _describe(self, server: Server) -> None:
+        """What the server says of its model and version, recorded with every output."""
         server.model = str((await self._info(server, "/model_info")).get("model_path", ""))
         server.version = str((await self._info(server, "/server_info")).get("version", ""))
-        log.info("server %s (SGLang %s) is healthy, serving %s", server.url, server.version, server.model)
+
+    def _set_healthy(self, server: Server) -> None:
         server.healthy = True
         server.problem = ""
         server.probed.set()
         server.down_since = None
-        del self._probes[server.url]
         self.any_healthy.set()

@@ -1,5 +1,6 @@
 """The fleet's job-state protocol in Redis, in one place: every key (`keys`), every Lua script that changes a
-job's state (`scripts`), and RQ's own records of a job's outcome as the fleet writes them (`outcomes`).
+job's state (`scripts`), RQ's own records of a job's outcome as the fleet writes them (`outcomes`), and how
+job data is serialized (`serializer`: plain values only).
 
 The fleet shares RQ's jobs, queues and registries, so that `rq info` and rq-dashboard show it as it is, and
 relies on their layout in RQ 2.x:

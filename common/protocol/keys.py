@@ -64,6 +64,11 @@ def worker_state_key(worker_name: str) -> str:
     return f"{PREFIX}:worker:{worker_name}"
 
 
+def hint_key(worker_name: str) -> str:
+    """Set once a plain RQ worker has been told that a FleetWorker keeps many generations in flight."""
+    return f"{PREFIX}:hinted:{worker_name}"
+
+
 def partition_key(partition: str) -> str:
     """A hash per partition for status tooling: its totals (enqueue) and its count of committed samples (workers)."""
     return f"{PREFIX}:partition:{partition}"

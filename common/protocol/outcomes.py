@@ -17,6 +17,7 @@ from rq.queue import Queue
 from rq.results import Result
 from rq.utils import utcformat
 
+from common.protocol.keys import COMPLETIONS_KEY, COMPLETIONS_MAXLEN, DUPLICATES_KEY, TOTALS_KEY, partition_key
 from common.records import GenerationResult
 
 
@@ -46,6 +47,19 @@ def record_success(
     )
     job.finished_job_registry.add(job, ttl, pipeline)
     job.cleanup(ttl, pipeline=pipeline, remove_from_queue=False)
+
+
+def record_counts(pipeline: Pipeline, partition: str, result: GenerationResult) -> None:
+    """The fleet's own figures of a finished generation: duplicates, throughput, totals, the partition's done."""
+    if result.duplicate:
+        pipeline.incr(DUPLICATES_KEY)
+    if result.committed:
+        tokens = result.completion_tokens
+        pipeline.xadd(COMPLETIONS_KEY, {"tokens": tokens}, maxlen=COMPLETIONS_MAXLEN, approximate=True)
+        pipeline.hincrby(TOTALS_KEY, "samples", 1)
+        pipeline.hincrby(TOTALS_KEY, "tokens", tokens)
+        pipeline.hsetnx(TOTALS_KEY, "first_at", time.time())
+        pipeline.hincrby(partition_key(partition), "done", 1)
 
 
 def record_failure(

@@ -11,10 +11,10 @@ from collections import Counter
 
 from redis import Redis
 from rq.queue import Queue
-from rq.serializers import JSONSerializer
 
 from common.protocol import scripts
 from common.protocol.keys import QUEUES
+from common.protocol.serializer import PlainPickle
 from producer.console.census import PartitionResolver, recorded_partitions
 
 
@@ -24,7 +24,7 @@ def cancel_queued(connection: Redis, partitions: list[str]) -> Counter[str]:
     resolver = PartitionResolver(connection, set(recorded_partitions(connection)) | set(partitions))
     canceled: Counter[str] = Counter()
     for name in QUEUES:
-        queue = Queue(name, connection=connection, serializer=JSONSerializer)
+        queue = Queue(name, connection=connection, serializer=PlainPickle)
         listed = {item.decode() for item in connection.lrange(queue.key, 0, -1)}
         partition_of = resolver.resolve(listed)
         doomed = sorted(job_id for job_id, partition in partition_of.items() if partition in partitions)

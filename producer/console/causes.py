@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 from redis import Redis
 from rq.results import Result
-from rq.serializers import JSONSerializer
+
+from common.protocol.serializer import PlainPickle
 
 _URL_THEN_COLON = re.compile(r"https?://\S+?: ")
 _URL = re.compile(r"https?://\S+")
@@ -83,7 +84,7 @@ def _exc_string(connection: Redis, job_id: str, entry: tuple[bytes, dict[bytes, 
     result_id, payload = entry
     payload = {key: value for key, value in payload.items() if key != b"return_value"}
     try:
-        result = Result.restore(job_id, result_id.decode(), payload, connection=connection, serializer=JSONSerializer)
+        result = Result.restore(job_id, result_id.decode(), payload, connection=connection, serializer=PlainPickle)
     except (ValueError, KeyError, zlib.error) as error:
         return f"unreadable failure record: {type(error).__name__}", ""
     return result.exc_string or "", result.worker_name or ""

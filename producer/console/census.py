@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from redis import Redis
 from rq.job import Job
 from rq.queue import Queue
-from rq.serializers import JSONSerializer
 
 from common.protocol.keys import QUEUES, job_id_prefix, partition_key
+from common.protocol.serializer import PlainPickle
 
 # Jobs that no known partition claims: not the producer's, or from a partition whose totals are gone.
 UNKNOWN = "(unknown)"
@@ -88,7 +88,7 @@ def take_census(connection: Redis, resolver: PartitionResolver, now: float, wind
     """
     with connection.pipeline(transaction=False) as pipeline:
         for name in QUEUES:
-            queue = Queue(name, connection=connection, serializer=JSONSerializer)
+            queue = Queue(name, connection=connection, serializer=PlainPickle)
             pipeline.lrange(queue.key, 0, -1)
             pipeline.zrange(queue.started_job_registry.key, 0, -1, withscores=True)
             pipeline.zrange(queue.failed_job_registry.key, 0, -1)

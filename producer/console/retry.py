@@ -18,11 +18,11 @@ from rq.exceptions import NoSuchJobError
 from rq.job import Job
 from rq.queue import Queue
 from rq.registry import FailedJobRegistry
-from rq.serializers import JSONSerializer
 from rq.utils import utcformat
 
 from common.protocol import scripts
 from common.protocol.keys import QUEUES, REQUEUES_AFTER_WORKER_DEATH
+from common.protocol.serializer import PlainPickle
 from common.store import OutputStore
 from producer.console.causes import matches, read_failures
 from producer.console.census import PartitionResolver, recorded_partitions
@@ -43,8 +43,8 @@ def retry_failed(
     resolver = PartitionResolver(connection, set(recorded_partitions(connection)) | set(partitions or []))
     requeue = connection.register_script(scripts.REQUEUE_FAILED)
     for name in QUEUES:
-        queue = Queue(name, connection=connection, serializer=JSONSerializer)
-        registry = FailedJobRegistry(name, connection=connection, serializer=JSONSerializer)
+        queue = Queue(name, connection=connection, serializer=PlainPickle)
+        registry = FailedJobRegistry(name, connection=connection, serializer=PlainPickle)
         job_ids = [item.decode() for item in connection.zrange(registry.key, 0, -1)]
         for failure in read_failures(connection, resolver.resolve(job_ids)):
             if (partitions and failure.partition not in partitions) or not matches(failure, cause):
@@ -68,7 +68,7 @@ def retry_failed(
 def _delete(connection: Redis, registry: FailedJobRegistry, job_id: str) -> bool:
     """Delete a failed job and its registry entry; False if the job had already expired from Redis."""
     try:
-        job = Job.fetch(job_id, connection=connection, serializer=JSONSerializer)
+        job = Job.fetch(job_id, connection=connection, serializer=PlainPickle)
     except NoSuchJobError:
         registry.remove(job_id)
         return False

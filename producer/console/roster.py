@@ -17,9 +17,9 @@ from typing import Any
 
 from redis import Redis
 from rq import Worker
-from rq.serializers import JSONSerializer
 
 from common.protocol.keys import QUEUES, worker_state_key
+from common.protocol.serializer import PlainPickle
 from common.records import WorkerReport
 from common.settings import Settings
 
@@ -43,7 +43,7 @@ class WorkerView:
 
 def list_workers(connection: Redis, settings: Settings, now: float) -> list[WorkerView]:
     reports = _reports(connection)
-    registered = {worker.name: worker for worker in Worker.all(connection=connection, serializer=JSONSerializer)}
+    registered = {worker.name: worker for worker in Worker.all(connection=connection, serializer=PlainPickle)}
     stale_after = STALE_AFTER_INTERVALS * settings.heartbeat_interval + 1
     views = []
     for name, report in reports.items():
