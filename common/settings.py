@@ -81,9 +81,9 @@ class Settings(BaseSettings):
     server_command: str = ""
     server_log: Path = Path("run/sglang.log")
     # Per-GPU planning assumptions in GiB (server/capacity.py `Assumptions` says where they come from).
-    cuda_context_gb: float = Field(2.4, ge=0)
-    runtime_overhead_gb: float = Field(5.7, ge=0)
-    min_headroom_gb: float = Field(4.0, ge=0)
+    cuda_context_gib: float = Field(2.4, ge=0)
+    runtime_overhead_gib: float = Field(5.7, ge=0)
+    min_headroom_gib: float = Field(4.0, ge=0)
     # Supervision: seconds to first health, between health checks, and of failed checks before a restart.
     startup_timeout: float = Field(1800.0, gt=0)
     health_interval: float = Field(5.0, gt=0)

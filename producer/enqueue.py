@@ -50,6 +50,9 @@ class PartitionSummary:
     failed: int = 0
     enqueued: int = 0
     rejected: int = 0
+    # Prompt tokens of the prompts tokenized by this run: their mean sizes the server's concurrency (plan).
+    prompt_tokens: int = 0
+    tokenized: int = 0
     rejects: list[Reject] = field(default_factory=list, repr=False)
 
     def to_json(self) -> dict[str, Any]:
@@ -133,6 +136,8 @@ class Enqueuer:
                 input_ids = self._tokenize(candidate.prompt, partition, sampling_params, summary)
                 if input_ids is not None:
                     tokenized.append((candidate, input_ids))
+                    summary.prompt_tokens += len(input_ids)
+                    summary.tokenized += 1
         if not tokenized:
             return
         # The prompts' ids go to the store, once per batch; each job carries only where its prompt is.
@@ -188,11 +193,13 @@ class Enqueuer:
         """The prompt's ids, or None with the reason added to the rejects."""
         try:
             input_ids = self.tokenizer.encode(prompt)
-            limit = self.settings.context_length
+            # SGLang cuts max_new_tokens to context length - 1 - prompt - 1 (scheduler.init_req_max_new_tokens):
+            # a longer request would end two tokens early, as if cut at max_new_tokens.
+            limit = self.settings.context_length - 2
             if len(input_ids) + sampling_params["max_new_tokens"] > limit:
                 raise Rejected(
                     f"{len(input_ids)} prompt tokens + max_new_tokens {sampling_params['max_new_tokens']}"
-                    f" exceed the context length {limit}"
+                    f" exceed the context length {self.settings.context_length} less the 2 tokens SGLang keeps"
                 )
         except Rejected as error:
             summary.rejects.append(Reject(str(partition.path), prompt.line, str(error), prompt.sample_id))
@@ -225,15 +232,15 @@ class Enqueuer:
 
     def _record_totals(self, partition: Partition, summary: PartitionSummary) -> None:
         """Totals for status tooling, and the rejects report beside the outputs."""
-        self.connection.hset(
-            partition_key(partition.name),
-            mapping={
-                "total": summary.total,
-                "rejected": summary.rejected,
-                "queue": partition.queue,
-                "updated_at": datetime.now(UTC).isoformat(),
-            },
-        )
+        recorded = {
+            "total": summary.total,
+            "rejected": summary.rejected,
+            "queue": partition.queue,
+            "updated_at": datetime.now(UTC).isoformat(),
+        }
+        if summary.tokenized:
+            recorded |= {"mean_prompt_tokens": summary.prompt_tokens // summary.tokenized}
+        self.connection.hset(partition_key(partition.name), mapping=recorded)
         write_rejects(self.store, partition.name, summary.rejects)
 
 

@@ -34,7 +34,8 @@ SGLANG_MIN_RESERVE_FROM_GIB = 60.0
 
 KV_CACHE_DTYPES = ("auto", "bf16", "fp8_e4m3", "fp8_e5m2")
 _KV_DTYPE_BYTES = {"bf16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}
-_MODEL_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+# SGLang serves a float32 checkpoint in float16 (configs/model_config.py), so its KV cache is 2 bytes too.
+_MODEL_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 2}
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,8 @@ class ModelShape:
     v_head_dim: int = 0
     # Weights every TP rank holds whole instead of a 1/TP share (see replicated_weight_bytes).
     replicated_weight_bytes: int = 0
+    # The checkpoint's quantization config asks for an FP8 KV cache, which `--kv-cache-dtype auto` then uses.
+    fp8_kv_cache: bool = False
 
     @property
     def is_mla(self) -> bool:
@@ -64,10 +67,13 @@ class ModelShape:
         text = {**config, **config.get("text_config", {})}
         dtype_bytes = _MODEL_DTYPE_BYTES.get(str(text.get("torch_dtype") or text.get("dtype")), 2)
         layers = int(text["num_hidden_layers"])
+        quant = text.get("quantization_config") or {}
+        fp8_kv = str(quant.get("kv_cache_quant_algo") or "").upper() == "FP8"
         if text.get("kv_lora_rank"):
             return cls(
                 num_layers=layers,
                 dtype_bytes=dtype_bytes,
+                fp8_kv_cache=fp8_kv,
                 kv_lora_rank=int(text["kv_lora_rank"]),
                 qk_rope_head_dim=int(text["qk_rope_head_dim"]),
                 replicated_weight_bytes=_mla_replicated_bytes(text, dtype_bytes),
@@ -77,6 +83,7 @@ class ModelShape:
         return cls(
             num_layers=layers,
             dtype_bytes=dtype_bytes,
+            fp8_kv_cache=fp8_kv,
             num_kv_heads=int(text.get("num_key_value_heads") or heads),
             head_dim=head_dim,
             v_head_dim=int(text.get("v_head_dim") or head_dim),
@@ -102,8 +109,10 @@ def _mla_replicated_bytes(text: dict[str, Any], dtype_bytes: int) -> int:
 
 
 def kv_dtype_bytes(shape: ModelShape, kv_cache_dtype: str) -> int:
+    """As SGLang resolves it (mem_cache/kv_cache_dtype.py): `auto` is FP8 when the checkpoint's quantization
+    config says `kv_cache_quant_algo: FP8`, else the model's dtype."""
     if kv_cache_dtype == "auto":
-        return shape.dtype_bytes
+        return 1 if shape.fp8_kv_cache else shape.dtype_bytes
     return _KV_DTYPE_BYTES[kv_cache_dtype]
 
 
@@ -168,6 +177,7 @@ class Plan:
     workload: Workload
     is_mla: bool
     kv_bytes_per_token: int
+    weights_bytes: int
     weights_per_rank_gib: float
     replicated_gib: float
     static_pool_gib: float
@@ -202,19 +212,20 @@ class Plan:
             "kv_cache_dtype": self.server.kv_cache_dtype,
             "hicache_size": self.server.hicache_size,
             "hicache_ratio": self.server.hicache_ratio,
-            "gpu_mem_gb": self.machine.gpu_mem_gib,
-            "weights_per_rank_gb": round(self.weights_per_rank_gib, 3),
-            "static_pool_gb": round(self.static_pool_gib, 3),
-            "kv_pool_gb": round(self.kv_pool_gib, 3),
+            "gpu_mem_gib": self.machine.gpu_mem_gib,
+            "weights_gb": round(self.weights_bytes / 1e9, 3),
+            "weights_per_rank_gib": round(self.weights_per_rank_gib, 3),
+            "static_pool_gib": round(self.static_pool_gib, 3),
+            "kv_pool_gib": round(self.kv_pool_gib, 3),
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "kv_tokens_gpu": self.kv_tokens_gpu,
-            "headroom_gb": round(self.headroom_gib, 3),
+            "headroom_gib": round(self.headroom_gib, 3),
             "max_mem_fraction_static": self.max_mem_fraction_static,
             "host_cache_tokens": self.host_cache_tokens,
-            "host_cache_gb_per_rank": round(self.host_cache_gib_per_rank, 3),
-            "host_cache_gb_total": round(self.host_cache_gib_total, 3),
-            "host_needed_gb": round(self.host_needed_gib, 3),
-            "host_available_gb": round(self.machine.host_available_gib, 3),
+            "host_cache_gib_per_rank": round(self.host_cache_gib_per_rank, 3),
+            "host_cache_gib_total": round(self.host_cache_gib_total, 3),
+            "host_needed_gib": round(self.host_needed_gib, 3),
+            "host_available_gib": round(self.machine.host_available_gib, 3),
             "recommended_concurrency": self.recommended_concurrency,
         }
 
@@ -255,6 +266,7 @@ def make_plan(
         workload=workload,
         is_mla=shape.is_mla,
         kv_bytes_per_token=cell,
+        weights_bytes=weights_bytes,
         weights_per_rank_gib=weights_gib,
         replicated_gib=replicated_gib,
         static_pool_gib=static_gib,

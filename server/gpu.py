@@ -3,7 +3,7 @@
 The stand-in file (FLEET_GPU_PROBE_FILE) is read again on every look, so a test can change it while the
 supervisor waits:
 
-    {"gpus": [{"name": "fake", "total_gb": 96, "processes": [{"pid": 4242, "used_gb": 30}]}]}
+    {"gpus": [{"name": "fake", "total_gib": 96, "processes": [{"pid": 4242, "used_gib": 30}]}]} (GiB)
 """
 
 from __future__ import annotations
@@ -88,9 +88,9 @@ class FileProbe:
                 Gpu(
                     index=index,
                     name=gpu.get("name", "stand-in"),
-                    total_bytes=int(gpu["total_gb"] * GIB),
+                    total_bytes=int(gpu["total_gib"] * GIB),
                     processes=tuple(
-                        GpuProcess(pid=int(p["pid"]), gpu=index, used_bytes=int(p.get("used_gb", 0) * GIB))
+                        GpuProcess(pid=int(p["pid"]), gpu=index, used_bytes=int(p.get("used_gib", 0) * GIB))
                         for p in gpu.get("processes", [])
                     ),
                 )

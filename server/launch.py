@@ -16,7 +16,7 @@ from collections.abc import Callable
 import httpx
 
 from common.settings import Settings, get_settings
-from server.plan import MachineOverrides, PlanError, add_machine_arguments, build_plan, render
+from server.plan import MachineOverrides, PlanError, add_machine_arguments, build_plan, machine_overrides, render
 from server.process import start_logged, stop_group
 
 # SGLang's own health check gives a generation this long (SGLANG_HEALTH_CHECK_TIMEOUT).
@@ -126,7 +126,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     settings = get_settings()
-    accepted = check_plan(settings, say, MachineOverrides(args.gpu_mem_gb, args.host_mem_gb))
+    accepted = check_plan(settings, say, machine_overrides(args))
     command = server_command(settings)
     if args.dry_run:
         say(masked(command, settings))

@@ -32,9 +32,21 @@ _FIELDS = {
     "gen throughput (token/s)": "gen_throughput",
     "#queue-req": "queue_req",
 }
-# PyTorch's allocator, the CUDA runtime and NCCL say it in these ways. Not SGLang's "Not enough memory.
-# Please try to increase --mem-fraction-static", which asks for the opposite change.
-_OUT_OF_MEMORY = re.compile(r"CUDA out of memory|OutOfMemoryError|CUDA error: out of memory|cudaErrorMemoryAllocation")
+# PyTorch's allocator, the CUDA runtime and NCCL say it in these ways, and SGLang when a TP rank finds too
+# little host memory for its hierarchical cache (mem_cache/pool_host/base.py: later ranks count the memory
+# earlier ones pinned). Not SGLang's "Not enough memory. Please try to increase --mem-fraction-static",
+# which asks for the opposite change.
+_OUT_OF_MEMORY = re.compile(
+    r"CUDA out of memory|OutOfMemoryError|CUDA error: out of memory|cudaErrorMemoryAllocation"
+    r"|Not enough host memory available"
+)
+
+
+# A hybrid model (sliding-window or Mamba layers, HiSparse) logs a count and a usage per pool instead
+# (scheduler_components/pool_stats_observer.py): the full pool's count stands for #token, and the fullest
+# pool's usage for token usage, as SGLang's own sglang:token_usage gauge takes it.
+_HYBRID_COUNTS = ("#full token", "#gpu token")
+_HYBRID_USAGES = ("full token usage", "swa token usage", "mamba usage", "gpu token usage")
 
 
 def parse_decode(line: str) -> dict[str, str] | None:
@@ -42,12 +54,24 @@ def parse_decode(line: str) -> dict[str, str] | None:
     match = _DECODE.search(line)
     if match is None:
         return None
-    fields = {}
+    found = {}
     for part in match["fields"].split(", "):
         label, _, value = part.partition(": ")
-        if label in _FIELDS:
-            fields[_FIELDS[label]] = value.strip().rstrip(",")
+        found[label] = value.strip().rstrip(",")
+    fields = {_FIELDS[label]: value for label, value in found.items() if label in _FIELDS}
+    if "token" not in fields and (count := next((found[label] for label in _HYBRID_COUNTS if label in found), None)):
+        fields["token"] = count
+    usages = [usage for label in _HYBRID_USAGES if (usage := _number(found.get(label))) is not None]
+    if "token_usage" not in fields and usages:
+        fields["token_usage"] = f"{max(usages):.2f}"
     return fields
+
+
+def _number(text: str | None) -> float | None:
+    try:
+        return float(text) if text is not None else None
+    except ValueError:
+        return None
 
 
 def is_out_of_memory(line: str) -> bool:

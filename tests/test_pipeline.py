@@ -321,7 +321,7 @@ def test_the_rq_command_line_runs_fleet_workers(fleet: Fleet, start_simulator: S
 def test_the_supervisor_brings_a_killed_server_back_and_nothing_is_lost(fleet: Fleet, tmp_path: Path):
     port = free_port()
     no_gpu_processes = tmp_path / "gpus.json"
-    no_gpu_processes.write_text('{"gpus": [{"total_gb": 96, "processes": []}]}')
+    no_gpu_processes.write_text('{"gpus": [{"total_gib": 96, "processes": []}]}')
     simulate = [sys.executable, "-m", "server", "simulate", "--host", "{host}", "--port", "{port}"]
     simulate += ["--token-latency", "0.01", "--min-output-tokens", "30", "--max-output-tokens", "30"]
     supervisor_env = fleet.env | {

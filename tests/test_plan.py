@@ -16,8 +16,11 @@ from pathlib import Path
 
 import pytest
 
+from common.protocol.keys import partition_key
+from common.settings import Settings
 from server.capacity import GIB, Machine, ModelShape, Plan, ServerConfig, Workload, kv_bytes_per_token, make_plan
-from tests.harness import ROOT
+from server.plan import measured_prompt_tokens, unmodeled, workload
+from tests.harness import ROOT, RedisServer, free_port
 
 # Kimi-K2.5's config.json: a DeepSeek-V3 language model under text_config, experts in INT4.
 KIMI_K25 = {
@@ -173,7 +176,7 @@ def plan_cli(*flags: str, **settings: object) -> subprocess.CompletedProcess[str
     )
 
 
-KIMI_FLAGS = ("--tp", "8", "--kv-cache-dtype", "bf16", "--gpu-mem-gb", "96", "--host-mem-gb", "449")
+KIMI_FLAGS = ("--tp", "8", "--kv-cache-dtype", "bf16", "--gpu-mem-gib", "96", "--host-mem-gib", "449")
 AVERAGES = ("--avg-short-tokens", "3000", "--avg-long-tokens", "12000")
 
 
@@ -185,9 +188,9 @@ def test_cli_json_of_the_working_configuration(kimi_dir: Path) -> None:
     assert report["ok"] is True and report["problems"] == []
     assert report["kv_bytes_per_token"] == 70_272
     assert report["kv_tokens_gpu"] == 158_838
-    assert report["headroom_gb"] == pytest.approx(5.532)
-    assert report["host_cache_gb_total"] == pytest.approx(357.63, abs=0.01)
-    assert report["host_available_gb"] == 449
+    assert report["headroom_gib"] == pytest.approx(5.532)
+    assert report["host_cache_gib_total"] == pytest.approx(357.63, abs=0.01)
+    assert report["host_available_gib"] == 449 and report["weights_gb"] == 603
     assert report["recommended_concurrency"] == {"short": 28, "long": 6}
 
 
@@ -208,10 +211,30 @@ def test_cli_reads_weights_from_a_config_file(tmp_path: Path) -> None:
     config = tmp_path / "config.json"
     config.write_text(json.dumps(LLAMA_70B))
     weights_gib = str(LLAMA_70B_WEIGHTS / GIB)
-    flags = ("--model-config", str(config), "--weights-gb", weights_gib, "--tp", "4", "--mem-fraction-static", "0.85")
-    result = plan_cli(*flags, "--gpu-mem-gb", "80", "--host-mem-gb", "500", "--json")
+    flags = ("--model-config", str(config), "--weights-gib", weights_gib, "--tp", "4", "--mem-fraction-static", "0.85")
+    result = plan_cli(*flags, "--gpu-mem-gib", "80", "--host-mem-gib", "500", "--json")
     assert result.returncode == 0, result.stdout + result.stderr
     assert json.loads(result.stdout)["kv_tokens_gpu"] == pytest.approx(433_925, abs=1)
+    # The same weights in GB of 10^9 bytes, as checkpoints are published, give the same plan.
+    flags = (*flags[:2], "--weights-gb", str(LLAMA_70B_WEIGHTS / 1e9), *flags[4:])
+    result = plan_cli(*flags, "--gpu-mem-gib", "80", "--host-mem-gib", "500", "--json")
+    assert json.loads(result.stdout)["kv_tokens_gpu"] == pytest.approx(433_925, abs=1)
+
+
+@pytest.mark.e2e
+def test_cli_with_the_old_runs_published_sizes_predicts_its_capacity(tmp_path: Path) -> None:
+    """Kimi-K2.5 published as 595 GB, 96 GiB GPUs, 445 GB of host memory: the old run measured about 116K GPU
+    KV tokens at 0.85 and 159K at 0.88, crashed at 0.93, and hung with --hicache-size 300."""
+    config = tmp_path / "kimi.json"
+    config.write_text(json.dumps(KIMI_K25))
+    machine = ("--model-config", str(config), "--weights-gb", "595", "--tp", "8", "--kv-cache-dtype", "bf16")
+    machine += ("--gpu-mem-gib", "96", "--host-mem-gb", "445", "--hicache-size", "48", "--json")
+    for fraction, measured in (("0.85", 116_000), ("0.88", 159_000)):
+        report = json.loads(plan_cli(*machine, "--mem-fraction-static", fraction).stdout)
+        assert report["kv_tokens_gpu"] == pytest.approx(measured, rel=0.15)
+    assert json.loads(plan_cli(*machine, "--mem-fraction-static", "0.93").stdout)["ok"] is False
+    refused = json.loads(plan_cli(*machine, "--mem-fraction-static", "0.88", "--hicache-size", "300").stdout)
+    assert refused["ok"] is False and "--hicache-size" in refused["problems"][0]
 
 
 @pytest.mark.e2e
@@ -221,15 +244,54 @@ def test_cli_without_gpus_needs_gpu_mem_gb(kimi_dir: Path, tmp_path: Path) -> No
     result = plan_cli("--model", str(kimi_dir), "--tp", "8", gpu_probe_file=probe)
     assert result.returncode == 2
     [line] = result.stderr.strip().splitlines()
-    assert "no GPU visible" in line and "--gpu-mem-gb" in line
+    assert "no GPU visible" in line and "--gpu-mem-gib" in line
 
 
 @pytest.mark.e2e
 def test_cli_refuses_gpus_held_by_other_processes(kimi_dir: Path, tmp_path: Path) -> None:
     probe = tmp_path / "gpus.json"
-    gpus = [{"total_gb": 96, "processes": [{"pid": 4242, "used_gb": 80}] if index == 3 else []} for index in range(8)]
+    gpus = [{"total_gib": 96, "processes": [{"pid": 4242, "used_gib": 80}] if index == 3 else []} for index in range(8)]
     probe.write_text(json.dumps({"gpus": gpus}))
-    result = plan_cli("--model", str(kimi_dir), "--tp", "8", "--host-mem-gb", "449", "--json", gpu_probe_file=probe)
+    result = plan_cli("--model", str(kimi_dir), "--tp", "8", "--host-mem-gib", "449", "--json", gpu_probe_file=probe)
     assert result.returncode == 1
     [problem] = json.loads(result.stdout)["problems"]
     assert "PID 4242 (GPU 3, 80.0 GiB)" in problem
+
+
+def test_kv_dtype_auto_resolves_as_sglang_does() -> None:
+    fp8_kv = {**LLAMA_70B, "quantization_config": {"quant_method": "modelopt", "kv_cache_quant_algo": "FP8"}}
+    bf16, fp8 = ModelShape.from_config(LLAMA_70B), ModelShape.from_config(fp8_kv)
+    assert kv_bytes_per_token(fp8, 4, "auto") * 2 == kv_bytes_per_token(bf16, 4, "auto")
+    assert kv_bytes_per_token(fp8, 4, "bf16") == kv_bytes_per_token(bf16, 4, "auto")
+    # A float32 checkpoint is served in float16.
+    float32 = ModelShape.from_config({**LLAMA_70B, "torch_dtype": "float32"})
+    assert kv_bytes_per_token(float32, 4, "auto") == kv_bytes_per_token(bf16, 4, "auto")
+
+
+def test_flags_whose_memory_the_plan_does_not_model_are_named() -> None:
+    warnings = unmodeled("--trust-remote-code --speculative-algorithm EAGLE3 --cuda-graph-max-bs=64")
+    assert len(warnings) == 2 and "--speculative-algorithm" in warnings[0] and "--cuda-graph-max-bs" in warnings[1]
+    assert unmodeled("--trust-remote-code --reasoning-parser kimi_k2") == []
+
+
+def test_concurrency_is_recommended_for_prompt_and_output_sizes() -> None:
+    settings = Settings(short_concurrency=150, long_concurrency=32)
+    sized = workload(settings, avg_prompt_tokens=2000, avg_output_tokens=2000)
+    assert (sized.avg_short_tokens, sized.avg_long_tokens) == (4000, 4000)
+    plan = make_plan(
+        ModelShape.from_config(KIMI_K25),
+        KIMI_WEIGHTS,
+        ServerConfig(tp=8, mem_fraction_static=0.88, kv_cache_dtype="bf16", hicache_size=48),
+        OLD_MACHINE,
+        sized,
+    )
+    # The old run held about 50 requests of 4K tokens at once in 159K tokens.
+    assert plan.recommended_concurrency == {"short": 32, "long": 6}
+
+
+def test_the_mean_prompt_length_enqueue_recorded_sizes_the_plan(redis_server: RedisServer, redis_client) -> None:
+    redis_client.hset(partition_key("a"), mapping={"total": 300, "mean_prompt_tokens": 1000})
+    redis_client.hset(partition_key("b"), mapping={"total": 100, "mean_prompt_tokens": 3000})
+    redis_client.hset(partition_key("c"), mapping={"total": 50})
+    assert measured_prompt_tokens(Settings(redis_url=redis_server.url)) == 1500
+    assert measured_prompt_tokens(Settings(redis_url=f"redis://127.0.0.1:{free_port()}/0")) is None

@@ -231,3 +231,16 @@ def test_an_output_directory_that_cannot_be_written_stops_enqueue_before_any_pus
     (fleet.output_dir / "rejects").write_text("")
     assert_one_line_error(fleet.producer("enqueue", check=False), str(fleet.output_dir / "rejects"))
     assert queued(redis_client) == []
+
+
+def test_prompt_plus_max_new_tokens_must_leave_the_two_tokens_sglang_keeps(fleet: Fleet, redis_client: redis.Redis):
+    fleet.env |= {"FLEET_CONTEXT_LENGTH": "32", "FLEET_SHORT_MAX_NEW_TOKENS": "20"}
+    fleet.write_partition("p", [{"id": "fits", "input_ids": [5] * 10}, {"id": "over", "input_ids": [5] * 11}])
+    summary = fleet.enqueued()
+    assert (summary["enqueued"], summary["rejected"]) == (1, 1)
+    [reject] = summary["rejects"]
+    assert reject["sample_id"] == "over"
+    assert (
+        reject["reason"]
+        == "11 prompt tokens + max_new_tokens 20 exceed the context length 32 less the 2 tokens SGLang keeps"
+    )

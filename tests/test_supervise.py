@@ -95,11 +95,19 @@ def test_parses_both_decode_line_formats() -> None:
     with_iteration = DECODE_NEW.replace("Decode batch,", "Decode batch [4711],")
     assert parse_decode(with_iteration) == parse_decode(DECODE_NEW)
     assert parse_decode("[2026-01-01 12:00:00 TP0] Prefill batch, #new-seq: 1, #new-token: 512") is None
+    # A hybrid model's pools (scheduler_components/pool_stats_observer.py): the full pool's count, the fullest usage.
+    hybrid = DECODE_NEW.replace(
+        "#token: 158000, token usage: 0.99",
+        "#full token: 158000, full token usage: 0.62, #swa token: 900, swa token usage: 0.97",
+    )
+    assert parse_decode(hybrid) == parse_decode(DECODE_NEW) | {"token_usage": "0.97"}
 
 
 def test_recognises_out_of_memory_crashes_only() -> None:
     assert is_out_of_memory("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.50 GiB")
     assert is_out_of_memory("RuntimeError: CUDA error: out of memory")
+    host = "ValueError: Not enough host memory available. Requesting 51.54 GB but only have 12.30 GB free."
+    assert is_out_of_memory(host)
     # SGLang's own complaint asks for a larger fraction, not a smaller one.
     assert not is_out_of_memory("RuntimeError: Not enough memory. Please try to increase --mem-fraction-static.")
 
@@ -161,8 +169,8 @@ class Fleet:
         self.processes: list[ManagedProcess] = []
 
     def free_gpus(self, held_by: tuple[int, ...] = ()) -> None:
-        processes = [{"pid": pid, "used_gb": 30} for pid in held_by]
-        self.probe.write_text(json.dumps({"gpus": [{"total_gb": 96, "processes": processes}]}))
+        processes = [{"pid": pid, "used_gib": 30} for pid in held_by]
+        self.probe.write_text(json.dumps({"gpus": [{"total_gib": 96, "processes": processes}]}))
 
     def env(self) -> dict[str, str]:
         env = {name: value for name, value in os.environ.items() if not name.startswith("FLEET_")}
@@ -315,7 +323,7 @@ def kimi_settings(fleet: Fleet) -> Fleet:
     model.mkdir()
     (model / "config.json").write_text(json.dumps(KIMI_K25))
     (model / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": KIMI_WEIGHTS}}))
-    fleet.probe.write_text(json.dumps({"gpus": [{"total_gb": 96}] * 8}))
+    fleet.probe.write_text(json.dumps({"gpus": [{"total_gib": 96}] * 8}))
     del fleet.settings["server_command"]
     fleet.settings.update(
         model_path=model, tp=8, kv_cache_dtype="bf16", hicache_size=48, sglang_api_key="sk-very-secret"
@@ -324,7 +332,7 @@ def kimi_settings(fleet: Fleet) -> Fleet:
 
 
 def test_launch_dry_run_prints_the_command_with_the_api_key_masked(kimi_settings: Fleet) -> None:
-    result = kimi_settings.run("launch", "--dry-run", "--host-mem-gb", "449")
+    result = kimi_settings.run("launch", "--dry-run", "--host-mem-gib", "449")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "sk-very-secret" not in result.stdout + result.stderr
     [command] = [line for line in result.stdout.splitlines() if "sglang.launch_server" in line]
@@ -337,7 +345,7 @@ def test_launch_dry_run_prints_the_command_with_the_api_key_masked(kimi_settings
 
 def test_launch_refuses_what_the_plan_refuses(kimi_settings: Fleet) -> None:
     kimi_settings.settings.update(mem_fraction_static=0.93, hicache_size=300)
-    result = kimi_settings.run("launch", "--host-mem-gb", "449")
+    result = kimi_settings.run("launch", "--host-mem-gib", "449")
     assert result.returncode == 1
     refusals = [line for line in result.stdout.splitlines() if line.startswith("refused: ")]
     assert len(refusals) == 2

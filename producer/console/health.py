@@ -18,6 +18,11 @@ from common.protocol.keys import server_metrics_key
 from common.records import ServerMetrics
 from common.settings import Settings
 
+# SGLang's /health runs the same check as /health_generate, which sleeps about a second, may generate a
+# token, and gives up after SGLANG_HEALTH_CHECK_TIMEOUT (20 s; entrypoints/http_server.py): a loaded server
+# answers within that, so the wait is a little longer. Servers are asked side by side.
+HEALTH_TIMEOUT = 25.0
+# Its Prometheus gauges answer at once.
 TIMEOUT = 2.0
 # Decode lines stop when a server idles, so the supervisor's figures go stale: then SGLang's own gauges are asked.
 FRESH_FOR = 30.0
@@ -60,7 +65,7 @@ def inspect_servers(connection: Redis, urls: list[str], now: float) -> list[Serv
         for url in urls:
             pipeline.hgetall(server_metrics_key(url))
         hashes = [ServerMetrics.from_hash(raw) for raw in pipeline.execute()]
-    # Asked side by side: a hung server costs the whole screen TIMEOUT seconds, not TIMEOUT each.
+    # Asked side by side: a hung server costs the whole screen HEALTH_TIMEOUT seconds, not that each.
     with ThreadPoolExecutor(max_workers=8) as pool:
         return list(pool.map(lambda url, stored: _inspect(url, stored, now), urls, hashes))
 
@@ -86,11 +91,11 @@ def _inspect(url: str, stored: ServerMetrics, now: float) -> ServerView:
 def _health(client: httpx.Client, url: str) -> tuple[str, str]:
     started = time.monotonic()
     try:
-        response = client.get(f"{url}/health")
+        response = client.get(f"{url}/health", timeout=HEALTH_TIMEOUT)
     except httpx.ConnectError as error:
         return "down", f"cannot connect: {error}"
     except httpx.TimeoutException:
-        return "unresponsive", f"no answer on /health within {TIMEOUT:g}s"
+        return "unresponsive", f"no answer on /health within {HEALTH_TIMEOUT:g}s"
     except httpx.HTTPError as error:
         return "down", f"{type(error).__name__}: {error}"
     if response.status_code != 200:
