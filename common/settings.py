@@ -98,6 +98,14 @@ class Settings(BaseSettings):
     # A JSON file standing in for NVML (server/gpu.py); unset, NVML is asked.
     gpu_probe_file: Path | None = None
 
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, value: int) -> int:
+        # SGLang's SamplingParams.verify() refuses anything else with HTTP 400, for every job.
+        if value != -1 and value < 1:
+            raise ValueError("must be -1 (no limit) or at least 1, as SGLang requires")
+        return value
+
     @field_validator("redis_url")
     @classmethod
     def _redis_url(cls, value: str) -> str:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from common.settings import Settings
 
@@ -28,6 +28,13 @@ class PartitionError(Exception):
 
 class PartitionOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, value: int | None) -> int | None:
+        if value is not None and value != -1 and value < 1:
+            raise ValueError("must be -1 (no limit) or at least 1, as SGLang requires")
+        return value
 
     queue: Literal["short", "long"] = "short"
     max_new_tokens: int | None = Field(None, gt=0)

@@ -351,3 +351,18 @@ def test_the_supervisor_brings_a_killed_server_back_and_nothing_is_lost(fleet: F
     finally:
         supervisor.signal(signal.SIGTERM)
         supervisor.wait(timeout=30)
+
+
+@pytest.mark.parametrize("status", ["429", "503", "504"])
+def test_requests_turned_away_are_sent_again_at_no_cost(fleet: Fleet, start_simulator: Start, status: str):
+    # A router's full queue (429 with Retry-After), SGLang refusing one request (503), a proxy (504): none
+    # says the server is down, and none costs the job an attempt, though only one attempt is allowed.
+    simulator = start_simulator("--error-rate", "0.5", "--error-status", status, "--retry-after", "0.05")
+    fleet.point_at(simulator)
+    fleet.write_partition("p", prompts(30))
+    fleet.producer("enqueue")
+    worker = fleet.start_worker("--burst", env={"FLEET_MAX_ATTEMPTS": "1"})
+    assert worker.wait(timeout=120) == 0
+    assert_exactly_once(fleet, "p", [f"p-{n}" for n in range(30)])
+    assert simulator.stats()["errors"] > 10
+    assert "is down" not in worker.output() and f"HTTP {status}" in worker.output()

@@ -61,3 +61,12 @@ def test_a_utf8_byte_order_mark_is_not_part_of_the_first_record(tmp_path: Path):
     path = tmp_path / "p.jsonl"
     path.write_bytes(b'\xef\xbb\xbf{"id": "a", "prompt": "Q"}\n{"id": "b", "prompt": "R"}\n')
     assert [prompt.sample_id for prompt in read_prompts(path)] == ["a", "b"]
+
+
+def test_sampling_options_sglang_would_refuse_are_refused_at_enqueue(tmp_path: Path):
+    from producer.partitions import PartitionError, load_partitions
+
+    (tmp_path / "p.jsonl").write_text('{"prompt": "Q"}\n')
+    (tmp_path / "partitions.toml").write_text("[p]\ntop_k = 0\n")
+    with pytest.raises(PartitionError, match=r"\[p\] top_k: Value error, must be -1 \(no limit\) or at least 1"):
+        load_partitions(tmp_path, ["all"])

@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 from common.records import GenerationJob, GenerationResult, OutputRecord
 from common.settings import Settings
 from common.store import OutputStore, StoreError
-from worker.sglang import Generated, ServerDown, SGLangClient, TransientError
+from worker.sglang import Busy, Generated, ServerDown, SGLangClient, TransientError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -84,10 +84,17 @@ class Generator:
                 delay = min(delay * 2, self.settings.retry_backoff_max)
 
     async def _generate(self, input_ids: list[int], sampling_params: dict[str, Any]) -> Generated:
-        failures = server_failures = 0
+        failures = server_failures = turned_away = 0
         while True:
             try:
                 return await self.client.generate(input_ids, sampling_params)
+            except Busy as error:
+                # Turned away for now (a full queue): wait and send again, at no cost to the job's attempts.
+                turned_away += 1
+                backoff = min(self.settings.retry_backoff * 2 ** (turned_away - 1), self.settings.retry_backoff_max)
+                delay = error.retry_after if error.retry_after is not None else backoff
+                log.info("turned away (%s); sending again in %.1fs", error, delay)
+                await asyncio.sleep(delay)
             except ServerDown as error:
                 # The client waits for a healthy server on the next call: no ordinary retry is spent. A prompt
                 # that was in flight through many server crashes may be what crashes it: it gets a limit.

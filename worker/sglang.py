@@ -1,8 +1,10 @@
 """A client for SGLang's native `/generate` over one or more servers, with health tracking.
 
 Each request goes to the healthy server with the fewest requests in flight from this process. A
-server that drops connections or answers 503 is marked down and probed on `/health_generate` until
-it answers again; while no server is up, callers wait instead of spending their retries.
+server that refuses or drops connections is marked down and probed on `/health_generate` until it
+answers again; while no server is up, callers wait instead of spending their retries. A request turned
+away (SGLang's per-request 503, a router's 429 or 408, a proxy's 502 or 504) says nothing of the
+server's health: it is `Busy`, sent again after a pause.
 
 It uses aiohttp rather than httpx: with 182 connections open, httpx's pool spent about 18 ms of CPU
 per request against the simulator, aiohttp 0.4 ms (bench/fleet.py shows the worker-level figure).
@@ -47,14 +49,30 @@ class Unauthorized(GenerationError):
     """The server refused our API key (HTTP 401 or 403): no request can succeed until the settings change."""
 
 
+class Busy(GenerationError):
+    """The server, or a router in front of it, turned this request away for now: HTTP 429 or 408 (a router's
+    queue full or timed out), 502 or 504 (a proxy), or SGLang's own 503, which in 0.5.23 only ever refuses one
+    request (--max-queued-requests full, a queue timeout, preemption) and says nothing of the server's health.
+    Sent again after a pause, spending none of the job's attempts."""
+
+    def __init__(self, message: str, retry_after: float | None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+# Statuses that turn a request away without judging it: routers (sglang-router, proxies) and SGLang's queue.
+BUSY_STATUSES = {408, 429, 502, 503, 504}
+
+
 class ServerDown(GenerationError):
     """The server cannot take requests now; wait for its health instead of counting a retry."""
 
 
 class MetaInfo(BaseModel):
     finish_reason: dict[str, Any]
-    prompt_tokens: int
-    completion_tokens: int
+    # Absent when SGLang aborts a request still waiting in its queue.
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
     cached_tokens: int = 0
 
 
@@ -134,18 +152,18 @@ class SGLangClient:
         try:
             async with self.session.post(f"{server.url}/generate", data=payload, headers=JSON_HEADERS) as response:
                 status, body = response.status, await response.read()
+                retry_after = _seconds(response.headers.get("Retry-After"))
         except (aiohttp.ClientError, TimeoutError) as error:
             self._mark_down(server)
             raise ServerDown(f"{server.url}: {type(error).__name__}: {error}") from error
         finally:
             server.in_flight -= 1
-        return self._parse(server, status, body)
+        return self._parse(server, status, body, retry_after)
 
-    def _parse(self, server: Server, status: int, body: bytes) -> Generated:
+    def _parse(self, server: Server, status: int, body: bytes, retry_after: float | None = None) -> Generated:
         text = body[:500].decode(errors="replace")
-        if status == 503:
-            self._mark_down(server)
-            raise ServerDown(f"{server.url}: HTTP 503: {text}")
+        if status in BUSY_STATUSES:
+            raise Busy(f"{server.url}: HTTP {status}: {text}", retry_after)
         if status in (401, 403):
             raise Unauthorized(f"{server.url}: HTTP {status}: {text}")
         if 400 <= status < 500:
@@ -222,3 +240,11 @@ class SGLangClient:
         server.probed.set()
         server.down_since = None
         self.any_healthy.set()
+
+
+def _seconds(retry_after: str | None) -> float | None:
+    """A Retry-After header given in seconds (the HTTP-date form is rare from routers: it is ignored)."""
+    try:
+        return max(0.0, float(retry_after)) if retry_after is not None else None
+    except ValueError:
+        return None

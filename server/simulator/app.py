@@ -118,9 +118,11 @@ class Simulator:
             return JSONResponse(content, status_code=400)
         if self.faults.random() < self.args.error_rate:
             self.stats["errors"] += 1
-            message = "Simulated server error (--error-rate)"
-            content = {"object": "error", "message": message, "type": "503", "param": None, "code": 503}
-            return JSONResponse(content, status_code=503)
+            status = self.args.error_status
+            message = f"Simulated refusal (--error-rate, --error-status {status})"
+            content = {"object": "error", "message": message, "type": str(status), "param": None, "code": status}
+            headers = {"Retry-After": f"{self.args.retry_after:g}"} if self.args.retry_after is not None else None
+            return JSONResponse(content, status_code=status, headers=headers)
         try:
             prompts, single = parse_generate(body, self.model.encode)
             for prompt in prompts:

@@ -65,7 +65,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0.0,
         help="fraction of prompts finished early with finish_reason abort (HTTP 200)",
     )
-    faults.add_argument("--error-rate", type=fraction, default=0.0, help="fraction of /generate answered 503")
+    faults.add_argument(
+        "--error-rate", type=fraction, default=0.0, help="fraction of /generate turned away with --error-status"
+    )
+    faults.add_argument(
+        "--error-status",
+        type=int,
+        choices=(408, 429, 502, 503, 504),
+        default=503,
+        help="503: SGLang refusing one request; 429, 408: a router's full or timed-out queue; 502, 504: a proxy",
+    )
+    faults.add_argument("--retry-after", type=float, help="seconds sent in a Retry-After header with each refusal")
     faults.add_argument("--hang", action="store_true", help="/generate and /health_generate never answer")
 
 
