@@ -12,7 +12,10 @@ class RedisUnavailable(Exception):
 
 
 def connect(settings: Settings) -> redis.Redis:
-    connection = redis.Redis.from_url(settings.redis_url, health_check_interval=30)
+    # A Redis that stops answering (paused, a network partition) must fail a call, to be retried, not hang it.
+    connection = redis.Redis.from_url(
+        settings.redis_url, health_check_interval=30, socket_timeout=settings.redis_timeout, socket_connect_timeout=10
+    )
     try:
         connection.ping()
     except redis.RedisError as error:

@@ -16,6 +16,8 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="FLEET_", env_file=".env", extra="ignore")
 
     redis_url: str = "redis://127.0.0.1:6379/0"
+    # Seconds a Redis call may wait for its answer before it fails (and, in a worker, is sent again).
+    redis_timeout: float = Field(30.0, gt=0)
     # Comma-separated: each request goes to the healthy server with the fewest requests in flight.
     sglang_url: Annotated[list[str], NoDecode] = ["http://127.0.0.1:30000"]
     sglang_api_key: SecretStr | None = None

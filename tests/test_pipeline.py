@@ -366,3 +366,22 @@ def test_requests_turned_away_are_sent_again_at_no_cost(fleet: Fleet, start_simu
     assert_exactly_once(fleet, "p", [f"p-{n}" for n in range(30)])
     assert simulator.stats()["errors"] > 10
     assert "is down" not in worker.output() and f"HTTP {status}" in worker.output()
+
+
+def test_redis_busy_with_a_long_script_stops_nothing(fleet: Fleet, start_simulator: Start, redis_client: redis.Redis):
+    fleet.point_at(start_simulator("--token-latency", "0.005"))
+    fleet.write_partition("p", prompts(40))
+    fleet.producer("enqueue")
+    worker = fleet.start_worker("--burst")
+    wait_for_outputs(fleet, "p", 5)
+    # A script running past busy-reply-threshold (a `cancel` of a huge queue, say): every other client is
+    # answered BUSY until it ends.
+    redis_client.config_set("busy-reply-threshold", 100)
+    try:
+        spin = "local stop = redis.call('TIME')[1] + 2 while tonumber(redis.call('TIME')[1]) < stop do end return 1"
+        redis_client.eval(spin, 0)
+    finally:
+        redis_client.config_set("busy-reply-threshold", 5000)
+    assert worker.wait(timeout=60) == 0
+    assert "BUSY Redis is busy running a script" in worker.output()
+    assert_exactly_once(fleet, "p", [f"p-{n}" for n in range(40)])

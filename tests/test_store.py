@@ -95,3 +95,12 @@ def test_a_record_cut_off_mid_write_is_never_visible(store: OutputStore):
             obstore.put(store.store, key, body(), mode="create")
     assert store.read(key) is None and store.done("p") == set()
     assert store.commit(record(9)) is True
+
+
+def test_a_filesystem_without_hard_links_is_refused_before_any_work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    def no_links(source: object, target: object) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr("common.store.local.os.link", no_links)
+    problem = LocalStore(tmp_path / "fuse").problem()
+    assert problem is not None and "Operation not permitted" in problem and "FLEET_OUTPUT_DIR=s3://" in problem

@@ -12,8 +12,8 @@ import redis
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-# Errors that pass: Redis unreachable, restarting or loading its data, full under `noeviction`, or a
-# replica that was just demoted. Anything else is a bug and is raised.
+# Errors that pass: Redis unreachable, restarting or loading its data, full under `noeviction`, a replica
+# that was just demoted, or busy running a long script (a BUSY reply). Anything else is a bug and is raised.
 _PASSING = (
     redis.ConnectionError,
     redis.TimeoutError,
@@ -33,7 +33,14 @@ async def call_redis(function: Callable[..., T], *args: Any, **kwargs: Any) -> T
     while True:
         try:
             return await asyncio.to_thread(function, *args, **kwargs)
-        except _PASSING as error:
+        except (*_PASSING, redis.ResponseError) as error:
+            if isinstance(error, redis.ResponseError) and not _busy(error):
+                raise
             log.warning("Redis unavailable (%s); retrying in %.1fs", error, delay)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 5.0)
+
+
+def _busy(error: redis.ResponseError) -> bool:
+    """Redis runs a script longer than its busy-reply threshold: the command was not run, and can be sent again."""
+    return str(error).startswith("BUSY")

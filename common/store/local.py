@@ -96,6 +96,25 @@ class LocalStore(OutputStore):
                 probe.unlink()
             except OSError as error:
                 return f"cannot write outputs under {folder}: {error.strerror or error}"
+        return self._commit_problem()
+
+    def _commit_problem(self) -> str | None:
+        """What a commit needs of the filesystem: hard links and directory fsync, which FUSE mounts of object
+        storage (gcsfuse, s3fs-fuse, blobfuse) lack; every job would generate, then fail to commit."""
+        probe = self.root / f".probe.{os.getpid()}"
+        linked = probe.with_name(probe.name + ".link")
+        try:
+            probe.write_bytes(b"")
+            os.link(probe, linked)
+            _fsync_dir(self.root)
+        except OSError as error:
+            return (
+                f"cannot commit outputs under {self.root}: {error.strerror or error} (a commit links a file into"
+                " place and fsyncs its folder); put the outputs in object storage instead: FLEET_OUTPUT_DIR=s3://..."
+            )
+        finally:
+            probe.unlink(missing_ok=True)
+            linked.unlink(missing_ok=True)
         return None
 
     def _write_temporary(self, final: Path, data: bytes) -> Path:
