@@ -17,6 +17,7 @@ names; no callback named in a job is ever imported.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import time
@@ -116,7 +117,7 @@ class FleetWorker(Worker):
         self.client = SGLangClient(self.settings)
         self.generator = Generator(self.settings, store, self.client)
         await self.client.start()
-        await call_redis(self.register_birth)
+        await call_redis(self._register)
         log.info(
             "FleetWorker %s on Redis %s: %s; servers %s",
             self.name,
@@ -303,10 +304,16 @@ class FleetWorker(Worker):
                 # A duty that fails once (a Redis error other than a lost connection) must not stop for good.
                 log.exception("%s failed; trying again in %.1fs", duty.__name__, self.settings.heartbeat_interval)
 
-    def _heartbeat_once(self) -> None:
-        if not self.connection.exists(self.key):
-            # Redis lost our registration (restarted or flushed): register again.
+    def _register(self) -> None:
+        """Register with RQ, once: a registration whose reply was lost (Redis stalled) is already done."""
+        with contextlib.suppress(ValueError):  # RQ's "There exists an active worker named ..."
             self.register_birth()
+
+    def _heartbeat_once(self) -> None:
+        if not self.connection.hexists(self.key, "birth"):
+            # Redis lost our registration (restarted, flushed, or the key lapsed while Redis stalled).
+            self.connection.delete(self.key)
+            self._register()
         leases = list(self.in_flight.values())
         with self.connection.pipeline(transaction=False) as pipeline:
             self.heartbeat(self.settings.lease_ttl + int(self.settings.heartbeat_interval), pipeline=pipeline)

@@ -4,11 +4,12 @@ Each step is one Lua script (common/protocol/scripts.py), so that no job is ever
 half-requeued, and each reads Redis's own clock, so that workers on hosts whose clocks disagree still
 agree on when a lease lapses.
 
-A claimed job is `started` and listed in its queue's StartedJobRegistry under the member
-`<job id>:<execution id>`, scored by when its lease lapses. The registry doubles as the fleet-wide
-semaphore: its members with a live lease are the jobs in flight in every worker on every host. A
-worker renews its leases on each heartbeat; when it dies they lapse, and any live worker's reaper puts
-the jobs back at the front of their queues. The sample's generation lock follows the same lease.
+A claimed job is `started`, listed in its queue's StartedJobRegistry (where RQ's tools see it, never as
+lapsed) and in the fleet's lease set, scored by when its lease lapses. The lease set doubles as the
+fleet-wide semaphore: its live members are the jobs in flight in every worker on every host. A worker
+renews its leases on each heartbeat; when it dies they lapse, and once one has stayed lapsed a whole lease,
+any live worker's reaper puts its job back at the front of its queue. The sample's generation lock follows
+the same lease.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from rq.job import Job
 from rq.utils import utcformat
 
 from common.protocol import scripts
-from common.protocol.keys import generation_lock_key
+from common.protocol.keys import generation_lock_key, lapsed_key, lease_key
 
 
 @dataclass
@@ -64,7 +65,7 @@ class Leases:
 
     def claim(self, lease: Lease, cap: int) -> dict[bytes, bytes] | None:
         """Claim the next job of the lease's queue: its hash, or None when the queue is empty or the fleet full."""
-        keys = [lease.queue.key, lease.queue.started_job_registry.key]
+        keys = [lease.queue.key, lease.queue.started_job_registry.key, lease_key(lease.queue.name)]
         args = [self.lease_ttl, lease.execution_id, lease.owner, utcformat(lease.started_at), cap, lease.worker_name]
         reply = self._claim(keys=keys, args=args)
         if not reply:
@@ -75,7 +76,12 @@ class Leases:
 
     def renew(self, pipeline: Pipeline, lease: Lease) -> None:
         """Queue the renewal of `lease` on `pipeline`; its reply is 1 while the lock is still the lease's."""
-        keys = [lease.queue.started_job_registry.key, lease.lock]
+        keys = [
+            lease.queue.started_job_registry.key,
+            lease.lock,
+            lease_key(lease.queue.name),
+            lapsed_key(lease.queue.name),
+        ]
         self._renew(keys=keys, args=[lease.member, lease.owner, self.lease_ttl], client=pipeline)
 
     def take_lock(self, lease: Lease) -> bool:
@@ -85,10 +91,11 @@ class Leases:
     def finish(self, client: Pipeline | Redis, lease: Lease, requeue: bool = False) -> None:
         """Drop the lease and its lock; with `requeue`, put a job still `started` back at the front of its queue."""
         keys = [lease.queue.started_job_registry.key, lease.lock, Job.key_for(lease.job_id), lease.queue.key]
+        keys += [lease_key(lease.queue.name), lapsed_key(lease.queue.name)]
         args = [lease.member, lease.owner, int(requeue), lease.job_id, utcformat(datetime.now(UTC))]
         self._finish(keys=keys, args=args, client=client)
 
     def reap(self, queue: Queue) -> int:
-        """Requeue the jobs of `queue` whose lease lapsed (their worker died); how many."""
-        keys = [queue.started_job_registry.key, queue.key]
-        return int(self._reap(keys=keys, args=[utcformat(datetime.now(UTC))]))
+        """Requeue the jobs of `queue` whose lease stayed lapsed a whole lease (their worker died); how many."""
+        keys = [queue.started_job_registry.key, queue.key, lease_key(queue.name), lapsed_key(queue.name)]
+        return int(self._reap(keys=keys, args=[utcformat(datetime.now(UTC)), self.lease_ttl]))

@@ -33,14 +33,15 @@ async def call_redis(function: Callable[..., T], *args: Any, **kwargs: Any) -> T
     while True:
         try:
             return await asyncio.to_thread(function, *args, **kwargs)
-        except (*_PASSING, redis.ResponseError) as error:
-            if isinstance(error, redis.ResponseError) and not _busy(error):
+        except redis.RedisError as error:
+            if not isinstance(error, _PASSING) and not _busy(error):
                 raise
             log.warning("Redis unavailable (%s); retrying in %.1fs", error, delay)
             await asyncio.sleep(delay)
-            delay = min(delay * 2, 5.0)
+            # A second at most: leases must be renewed soon after Redis answers again.
+            delay = min(delay * 2, 1.0)
 
 
-def _busy(error: redis.ResponseError) -> bool:
+def _busy(error: redis.RedisError) -> bool:
     """Redis runs a script longer than its busy-reply threshold: the command was not run, and can be sent again."""
     return str(error).startswith("BUSY")

@@ -59,6 +59,16 @@ def generation_lock_key(job: str) -> str:
     return f"{LOCK_PREFIX}{job}"
 
 
+def lease_key(queue: str) -> str:
+    """The leases of the executions of `queue`'s jobs, scored by when each lapses (common/protocol/scripts.py)."""
+    return f"{PREFIX}:leases:{queue}"
+
+
+def lapsed_key(queue: str) -> str:
+    """When the reaper first saw each of `queue`'s lapsed leases: it reaps one that stays lapsed a lease longer."""
+    return f"{PREFIX}:lapsed:{queue}"
+
+
 def worker_state_key(worker_name: str) -> str:
     """A FleetWorker's own report, refreshed by its heartbeat and expiring with it (see worker.fleet)."""
     return f"{PREFIX}:worker:{worker_name}"

@@ -102,6 +102,14 @@ return canceled
 
 
 # Workers: claim, lease renewal, the generation lock, finishing or requeueing an execution, reaping.
+#
+# A claimed execution is listed twice under the member `<job id>:<execution id>`: in its queue's
+# StartedJobRegistry, scored +inf, so that RQ's own cleanup (run by `rq info` and rq-dashboard, on whatever
+# host and clock) never takes it for lapsed; and in the fleet's lease set (`lease_key`), scored by when its
+# lease lapses on Redis's clock, which the fleet-wide cap counts and the reaper reads. A lapsed lease is
+# only marked at first (`lapsed_key`), and reaped if it is still lapsed a whole lease later: a Redis that
+# stalled for any length of time leaves every lease lapsed when it answers again, and live workers renew
+# theirs well within a lease.
 
 # Lua: the current time from Redis, in seconds.
 _NOW = "local clock = redis.call('TIME')\nlocal now = tonumber(clock[1]) + tonumber(clock[2]) / 1000000\n"
@@ -110,13 +118,12 @@ _NOW = "local clock = redis.call('TIME')\nlocal now = tonumber(clock[1]) + tonum
 # ID whose job is missing, or no longer `queued` (pushed twice, finished or canceled meanwhile), is
 # dropped. Takes the sample's generation lock when free. Returns the job ID, 1 if the lock was taken,
 # then the job hash, so that no second round trip fetches it.
-# KEYS: queue list, started registry.
+# KEYS: queue list, started registry, lease set.
 # ARGV: lease seconds, execution ID, lock owner, RQ timestamp, cap, worker name.
-# Job keys are built here from the popped ID, as RQ's own scripts do.
 CLAIM = (
     _NOW
     + """
-if redis.call('ZCOUNT', KEYS[2], now, '+inf') >= tonumber(ARGV[5]) then
+if redis.call('ZCOUNT', KEYS[3], now, '+inf') >= tonumber(ARGV[5]) then
     return false
 end
 while true do
@@ -130,7 +137,9 @@ while true do
     if redis.call('HGET', job_key, 'status') == 'queued' then
         redis.call('HSET', job_key, 'status', 'started', 'worker_name', ARGV[6],
                    'started_at', ARGV[4], 'last_heartbeat', ARGV[4])
-        redis.call('ZADD', KEYS[2], now + tonumber(ARGV[1]), job_id .. ':' .. ARGV[2])
+        local member = job_id .. ':' .. ARGV[2]
+        redis.call('ZADD', KEYS[2], '+inf', member)
+        redis.call('ZADD', KEYS[3], now + tonumber(ARGV[1]), member)
         local lock = redis.call('SET', '"""
     + LOCK_PREFIX
     + """' .. job_id, ARGV[3], 'NX', 'PX', math.floor(tonumber(ARGV[1]) * 1000))
@@ -143,13 +152,15 @@ end
 """
 )
 
-# Extend a job's lease and its lock, re-creating them if Redis lost them; never take a lock another
-# execution holds. Returns 1 while the lock is this execution's.
-# KEYS: started registry, lock. ARGV: registry member, lock owner, lease seconds.
+# Extend a job's lease and its lock, re-creating them (and its registry entry) if Redis lost them; never
+# take a lock another execution holds. Returns 1 while the lock is this execution's.
+# KEYS: started registry, lock, lease set, lapsed marks. ARGV: member, lock owner, lease seconds.
 RENEW = (
     _NOW
     + """
-redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[1])
+redis.call('ZADD', KEYS[1], '+inf', ARGV[1])
+redis.call('ZADD', KEYS[3], now + tonumber(ARGV[3]), ARGV[1])
+redis.call('HDEL', KEYS[4], ARGV[1])
 local holder = redis.call('GET', KEYS[2])
 if holder == false or holder == ARGV[2] then
     redis.call('SET', KEYS[2], ARGV[2], 'PX', math.floor(tonumber(ARGV[3]) * 1000))
@@ -159,17 +170,23 @@ return 0
 """
 )
 
-# Take a sample's generation lock if it is free. KEYS: lock. ARGV: lock owner, lease seconds.
+# Take a sample's generation lock if it is free, or already this owner's (a renewal may have taken it for
+# a waiting execution). KEYS: lock. ARGV: lock owner, lease seconds.
 LOCK = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+    return 1
+end
 return redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', math.floor(tonumber(ARGV[2]) * 1000)) and 1 or 0
 """
 
-# End an execution: drop its registry member and its lock (if still its own). Used after the result is
+# End an execution: drop its registry member, lease and lock (if still its own). Used after the result is
 # recorded, and to requeue: with ARGV[3] = 1 a job still `started` goes back to the front of its queue.
-# KEYS: started registry, lock, job hash, queue list. ARGV: registry member, lock owner, requeue, job ID,
-# RQ timestamp.
+# KEYS: started registry, lock, job hash, queue list, lease set, lapsed marks. ARGV: member, lock owner,
+# requeue, job ID, RQ timestamp.
 FINISH = """
 redis.call('ZREM', KEYS[1], ARGV[1])
+redis.call('ZREM', KEYS[5], ARGV[1])
+redis.call('HDEL', KEYS[6], ARGV[1])
 if redis.call('GET', KEYS[2]) == ARGV[2] then
     redis.call('DEL', KEYS[2])
 end
@@ -181,23 +198,31 @@ end
 return 0
 """
 
-# Put the jobs whose lease lapsed back at the front of their queue, spending none of their retries.
-# A member whose job moved on (finished, failed, gone) is only dropped. Returns how many were requeued.
-# KEYS: started registry, queue list. ARGV: RQ timestamp.
+# Mark the leases that lapsed, and put back at the front of their queue the jobs whose lease has stayed
+# lapsed for ARGV[2] seconds since it was marked (their worker is gone), spending none of their retries. A
+# member whose job moved on (finished, failed, gone) is only dropped. Returns how many were requeued.
+# KEYS: started registry, queue list, lease set, lapsed marks. ARGV: RQ timestamp, seconds to wait.
 REAP = (
     _NOW
     + """
 local requeued = 0
-for _, member in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, 1000)) do
-    redis.call('ZREM', KEYS[1], member)
-    local job_id = string.match(member, '^(.*):[^:]*$') or member
-    local job_key = '"""
+for _, member in ipairs(redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', now, 'LIMIT', 0, 1000)) do
+    local marked = redis.call('HGET', KEYS[4], member)
+    if not marked then
+        redis.call('HSET', KEYS[4], member, now)
+    elseif now - tonumber(marked) >= tonumber(ARGV[2]) then
+        redis.call('ZREM', KEYS[1], member)
+        redis.call('ZREM', KEYS[3], member)
+        redis.call('HDEL', KEYS[4], member)
+        local job_id = string.match(member, '^(.*):[^:]*$') or member
+        local job_key = '"""
     + JOB_KEY_PREFIX
     + """' .. job_id
-    if redis.call('HGET', job_key, 'status') == 'started' then
-        redis.call('HSET', job_key, 'status', 'queued', 'enqueued_at', ARGV[1])
-        redis.call('LPUSH', KEYS[2], job_id)
-        requeued = requeued + 1
+        if redis.call('HGET', job_key, 'status') == 'started' then
+            redis.call('HSET', job_key, 'status', 'queued', 'enqueued_at', ARGV[1])
+            redis.call('LPUSH', KEYS[2], job_id)
+            requeued = requeued + 1
+        end
     end
 end
 return requeued

@@ -18,7 +18,7 @@ from redis import Redis
 from rq.job import Job
 from rq.queue import Queue
 
-from common.protocol.keys import QUEUES, job_id_prefix, partition_key
+from common.protocol.keys import QUEUES, job_id_prefix, lease_key, partition_key
 from common.protocol.serializer import PlainPickle
 
 # Jobs that no known partition claims: not the producer's, or from a partition whose totals are gone.
@@ -90,7 +90,8 @@ def take_census(connection: Redis, resolver: PartitionResolver, now: float, wind
         for name in QUEUES:
             queue = Queue(name, connection=connection, serializer=PlainPickle)
             pipeline.lrange(queue.key, 0, -1)
-            pipeline.zrange(queue.started_job_registry.key, 0, -1, withscores=True)
+            pipeline.zrange(queue.started_job_registry.key, 0, -1)
+            pipeline.zcount(lease_key(name), "-inf", now)
             pipeline.zrange(queue.failed_job_registry.key, 0, -1)
             # RQ scores in whole seconds: round down, or a job finished in this very second is missed.
             pipeline.zrangebyscore(queue.finished_job_registry.key, math.floor(now - window) + result_ttl, "+inf")
@@ -101,13 +102,12 @@ def take_census(connection: Redis, resolver: PartitionResolver, now: float, wind
     failed: set[str] = set()
     finished: list[str] = []
     lapsed = 0
-    for index in range(0, len(replies), 4):
-        listed, started, failures, recent = replies[index : index + 4]
+    for index in range(0, len(replies), 5):
+        listed, started, lapsed_here, failures, recent = replies[index : index + 5]
         queued.update(item.decode() for item in listed)
-        for entry, lease_expiry in started:
-            # StartedJobRegistry entries are `<job id>:<execution id>`; job IDs hold no colon.
-            in_flight.add(entry.decode().split(":", 1)[0])
-            lapsed += lease_expiry < now
+        # StartedJobRegistry entries are `<job id>:<execution id>`; job IDs hold no colon.
+        in_flight.update(entry.decode().split(":", 1)[0] for entry in started)
+        lapsed += lapsed_here
         failed.update(item.decode() for item in failures)
         if result_ttl > 0:
             finished.extend(item.decode() for item in recent)
