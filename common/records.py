@@ -41,6 +41,8 @@ class GenerationJob(BaseModel):
     prompt: PromptRef | None = None
     input_ids: list[int] | None = Field(None, min_length=1)
     sampling_params: dict[str, Any]
+    # What the sample is generated from (producer.prompts.prompt_version); empty in jobs made before versions.
+    version: str = ""
 
     @model_validator(mode="after")
     def _one_prompt(self) -> GenerationJob:
@@ -63,6 +65,8 @@ class OutputRecord(BaseModel):
     id: str | int
     partition: str
     job_id: str
+    # The job's version of the sample (GenerationJob.version); empty in records made before versions.
+    version: str = ""
     input_ids: list[int]
     output_ids: list[int]
     text: str

@@ -57,6 +57,9 @@ def enqueue(args: argparse.Namespace) -> int:
                 )
             )
         )
+        if summary.changed:
+            edited = plural(summary.changed, "prompt")
+            print(f"  changed: {edited} edited since their outputs were made, generated again")
         if summary.total == 0:
             print(f"  empty: no records in {settings.data_dir / summary.partition}.jsonl")
         for reject in summary.rejects[: args.show_rejects]:
@@ -157,7 +160,7 @@ def export(args: argparse.Namespace) -> int:
     incomplete = False
     summaries = []
     for partition in partitions:
-        summary = export_partition(store, partition, args.out, options, tokenizer)
+        summary = export_partition(settings, store, partition, args.out, options, tokenizer)
         summaries.append(summary)
         line = f"{partition.name}: {summary.exported} records -> {summary.path}"
         if summary.missing:

@@ -27,13 +27,14 @@ from common.protocol.keys import (
     REQUEUES_AFTER_WORKER_DEATH,
     job_id,
     partition_key,
+    readable_part,
 )
 from common.protocol.serializer import PlainPickle
 from common.records import GenerationJob, PromptRef
 from common.settings import Settings
 from common.store import OutputStore
 from producer.partitions import Partition
-from producer.prompts import Prompt, Reject, Rejected, read_prompts
+from producer.prompts import Prompt, Reject, Rejected, prompt_version, read_prompts
 from producer.rejects import write_rejects
 
 if TYPE_CHECKING:
@@ -50,6 +51,8 @@ class PartitionSummary:
     failed: int = 0
     enqueued: int = 0
     rejected: int = 0
+    # Prompts edited since their output was made: generated again.
+    changed: int = 0
     # Prompt tokens of the prompts tokenized by this run: their mean sizes the server's concurrency (plan).
     prompt_tokens: int = 0
     tokenized: int = 0
@@ -64,6 +67,7 @@ class PartitionSummary:
 class _Candidate:
     prompt: Prompt
     job_id: str
+    version: str
 
 
 class Enqueuer:
@@ -96,6 +100,8 @@ class Enqueuer:
         self.connection.hset(counter, "done", 0)
         done = self.store.done(partition.name)
         self.connection.hincrby(counter, "done", len(done))
+        # The samples with an output of some version: one whose prompt changed since is generated again.
+        generated = {identifier.rsplit("--", 1)[0] for identifier in done}
         batch: list[_Candidate] = []
         lines = tqdm(read_prompts(partition.path), desc=partition.name, unit=" prompts", disable=None, leave=False)
         for item in lines:
@@ -103,10 +109,13 @@ class Enqueuer:
             if isinstance(item, Reject):
                 summary.rejects.append(item)
                 continue
-            candidate = _Candidate(item, job_id(partition.name, item.sample_id))
-            if candidate.job_id in done:
+            version = prompt_version(item, sampling_params)
+            candidate = _Candidate(item, job_id(partition.name, item.sample_id, version), version)
+            # An output made before versions (no version in its ID) is taken as the prompt's: nothing done is lost.
+            if candidate.job_id in done or job_id(partition.name, item.sample_id) in done:
                 summary.done += 1
                 continue
+            summary.changed += readable_part(partition.name, item.sample_id) in generated
             batch.append(candidate)
             if len(batch) >= self.batch_size:
                 self._enqueue_batch(batch, partition, queue, sampling_params, summary)
@@ -211,7 +220,11 @@ class Enqueuer:
     ) -> Job:
         prompt = candidate.prompt
         arguments = GenerationJob(
-            partition=partition.name, sample_id=prompt.sample_id, prompt=ref, sampling_params=sampling_params
+            partition=partition.name,
+            sample_id=prompt.sample_id,
+            prompt=ref,
+            sampling_params=sampling_params,
+            version=candidate.version,
         )
         job = Job.create(
             JOB_FUNCTION,

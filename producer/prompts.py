@@ -11,6 +11,7 @@ Trailing assistant turns are dropped: the response is what gets generated.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +59,15 @@ class Reject:
 
     def __str__(self) -> str:
         return f"{self.file}:{self.line}: {self.reason}"
+
+
+def prompt_version(prompt: Prompt, sampling_params: dict[str, Any]) -> str:
+    """A digest of what an output of this prompt is generated from: its turns and tools (or ids) and the
+    sampling parameters. An output counts for the prompt only if it was made from the same."""
+    material = orjson.dumps(
+        [prompt.messages, prompt.tools, prompt.input_ids, sampling_params], option=orjson.OPT_SORT_KEYS
+    )
+    return hashlib.blake2b(material, digest_size=8).hexdigest()
 
 
 def read_prompts(path: Path, find_duplicates: bool = True) -> Iterator[Prompt | Reject]:

@@ -252,6 +252,27 @@ class Fleet:
             raise AssertionError(f"producer {args} exited {result.returncode}:\n{result.stdout}\n{result.stderr}")
         return result
 
+    def settings(self) -> Any:
+        """The settings the fleet's processes read from their FLEET_* variables."""
+        from common.settings import Settings
+
+        return Settings(
+            **{key.removeprefix("FLEET_").lower(): v for key, v in self.env.items() if key.startswith("FLEET_")}
+        )
+
+    def job_id(self, partition: str, sample_id: str | int) -> str:
+        """The job ID the producer gives a sample of a partition as its file and settings are now."""
+        from common.protocol.keys import job_id, sample_key
+        from producer.partitions import load_partitions
+        from producer.prompts import Prompt, prompt_version, read_prompts
+
+        [found] = load_partitions(self.data_dir, [partition])
+        params = found.sampling_params(self.settings())
+        for item in read_prompts(found.path):
+            if isinstance(item, Prompt) and sample_key(item.sample_id) == sample_key(sample_id):
+                return job_id(partition, item.sample_id, prompt_version(item, params))
+        raise KeyError(f"no sample {sample_id!r} in {found.path}")
+
     def producer_json(self, *args: str) -> Any:
         """`python -m producer ARGS --json`, parsed."""
         return orjson.loads(self.producer(*args, "--json").stdout)

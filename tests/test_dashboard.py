@@ -8,7 +8,6 @@ from pathlib import Path
 
 import httpx
 
-from common.protocol.keys import job_id
 from tests.harness import Fleet, ManagedProcess, RedisServer, Simulator, free_port, wait_until
 
 
@@ -50,8 +49,8 @@ def test_rq_dashboard_lists_the_fleets_queues_and_reads_its_jobs(
         assert (listed["long"]["count"], listed["long"]["failed_job_registry_count"]) == (3, 0)
         # Job data and results are plain pickles: rq-dashboard reads them with RQ's default serializer.
         finished = httpx.get(f"{base}/data/jobs/short/finished/8/asc/1.json", timeout=5).json()
-        assert sorted(job["id"] for job in finished["jobs"]) == [job_id("p", "p-0"), job_id("p", "p-1")]
-        job = httpx.get(f"{base}/data/job/{job_id('q', 'q-0')}.json", timeout=5).json()
+        assert sorted(job["id"] for job in finished["jobs"]) == [fleet.job_id("p", "p-0"), fleet.job_id("p", "p-1")]
+        job = httpx.get(f"{base}/data/job/{fleet.job_id('q', 'q-0')}.json", timeout=5).json()
         assert (job["status"], job["description"], job["origin"]) == ("queued", "generate q/q-0", "long")
     finally:
         dashboard.kill()

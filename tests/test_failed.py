@@ -161,7 +161,7 @@ def test_retry_failed_requeues_selected_failures_once_under_their_own_ids(
     store = LocalStore(fleet.output_dir)
     store.commit(
         OutputRecord(
-            id="big-2", partition="p", job_id=job_id("p", "big-2"), input_ids=[5], output_ids=[6], text="x",
+            id="big-2", partition="p", job_id=fleet.job_id("p", "big-2"), input_ids=[5], output_ids=[6], text="x",
             finish_reason={"type": "stop"}, prompt_tokens=1, completion_tokens=1, sampling_params={}, server="s",
         )
     )  # fmt: skip
@@ -171,18 +171,21 @@ def test_retry_failed_requeues_selected_failures_once_under_their_own_ids(
     assert "requeued 1 failed job (p: 1)" in output
     assert "deleted 1 failed job whose sample was committed meanwhile" in output
     assert "left 1 failed job" in output
-    assert queued(redis_client) == [job_id("p", "big-1")] and status_of(redis_client, job_id("p", "big-1")) == "queued"
-    assert failed.get_job_ids() == [job_id("q", "big-3")]
-    assert not redis_client.exists(Job.key_for(job_id("p", "big-2")))
+    assert (
+        queued(redis_client) == [fleet.job_id("p", "big-1")]
+        and status_of(redis_client, fleet.job_id("p", "big-1")) == "queued"
+    )
+    assert failed.get_job_ids() == [fleet.job_id("q", "big-3")]
+    assert not redis_client.exists(Job.key_for(fleet.job_id("p", "big-2")))
     # Running it again finds nothing more to do: the job is queued once.
     assert "requeued 0 failed jobs" in fleet.producer("retry-failed", "--partition", "p").stdout
-    assert queued(redis_client) == [job_id("p", "big-1")]
+    assert queued(redis_client) == [fleet.job_id("p", "big-1")]
 
     # Against a server that takes long prompts, the retried job runs and commits under its own ID.
     fleet.point_at(start_simulator())
     assert fleet.start_worker("--burst").wait(timeout=60) == 0
-    assert store.load("p", job_id("p", "big-1")) is not None
-    assert status_of(redis_client, job_id("p", "big-1")) == "finished"
+    assert store.load("p", fleet.job_id("p", "big-1")) is not None
+    assert status_of(redis_client, fleet.job_id("p", "big-1")) == "finished"
 
 
 def test_cancel_removes_only_the_partitions_queued_jobs(fleet: Fleet, redis_client: redis.Redis):
@@ -192,15 +195,15 @@ def test_cancel_removes_only_the_partitions_queued_jobs(fleet: Fleet, redis_clie
     fleet.producer("enqueue")
     # One job of each is in flight, as a worker's claim leaves it.
     started = Queue("short", connection=redis_client).started_job_registry.key
-    for running in (job_id("p", "p-0"), job_id("p--x", "x-0")):
+    for running in (fleet.job_id("p", "p-0"), fleet.job_id("p--x", "x-0")):
         redis_client.lrem("rq:queue:short", 0, running)
         redis_client.hset(Job.key_for(running), "status", "started")
         redis_client.zadd(started, {f"{running}:e1": time.time() + 60})
 
     assert fleet.producer_json("cancel", "--partition", "p") == {"canceled": {"p": 4}, "in_flight": {"p": 1}}
 
-    assert queued(redis_client) == [job_id("p--x", f"x-{n}") for n in (1, 2)]
-    assert [status_of(redis_client, job_id("p", f"p-{n}")) for n in range(5)] == ["started"] + ["canceled"] * 4
+    assert queued(redis_client) == [fleet.job_id("p--x", f"x-{n}") for n in (1, 2)]
+    assert [status_of(redis_client, fleet.job_id("p", f"p-{n}")) for n in range(5)] == ["started"] + ["canceled"] * 4
     assert "canceled 0 queued jobs" in fleet.producer("cancel", "--partition", "p").stdout
     # enqueue queues the canceled jobs again.
     assert counts(fleet.producer_json("enqueue", "--partition", "p")["partitions"]["p"]) == (5, 0, 1, 0, 4, 0)

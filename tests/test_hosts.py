@@ -9,7 +9,6 @@ from pathlib import Path
 
 import orjson
 
-from common.protocol.keys import job_id
 from common.store import ObjectStore
 from tests.harness import Fleet, SeaweedFS, Simulator, prompts, wait_until
 
@@ -42,7 +41,7 @@ def test_workers_on_separate_hosts_commit_every_prompt_once_to_the_object_store(
     workers[0].signal(signal.SIGKILL)
     assert workers[1].wait(timeout=120) == 0
 
-    records = [store.load("p", job_id("p", sample)) for sample in ids]
+    records = [store.load("p", fleet.job_id("p", sample)) for sample in ids]
     assert all(record is not None and record.finish_reason["type"] == "stop" for record in records)
     assert len(list(store.sample_keys("p"))) == 80
     # Nothing was written to any host's disk: the outputs, the prompts and the rejects are in the object store.

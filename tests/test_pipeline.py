@@ -23,7 +23,7 @@ from rq.job import Job
 from rq.registry import FailedJobRegistry, StartedJobRegistry
 from rq.serializers import JSONSerializer
 
-from common.protocol.keys import DUPLICATES_KEY, job_id, lease_key
+from common.protocol.keys import DUPLICATES_KEY, lease_key
 from common.protocol.serializer import PlainPickle
 from tests.harness import (
     ROOT,
@@ -104,8 +104,8 @@ def test_http_400_fails_the_job_with_the_servers_message(fleet: Fleet, start_sim
 
     assert [record["id"] for record in fleet.outputs("p")] == ["short"]
     failed = FailedJobRegistry("short", connection=redis_client, serializer=PlainPickle)
-    assert failed.get_job_ids() == [job_id("p", "long")]
-    job = Job.fetch(job_id("p", "long"), connection=redis_client, serializer=PlainPickle)
+    assert failed.get_job_ids() == [fleet.job_id("p", "long")]
+    job = Job.fetch(fleet.job_id("p", "long"), connection=redis_client, serializer=PlainPickle)
     assert "HTTP 400" in job.latest_result().exc_string
     # A re-run of enqueue leaves the failed job alone.
     assert counts(fleet.enqueued()) == (2, 1, 0, 1, 0, 0)
@@ -153,7 +153,7 @@ def test_sigkilled_worker_jobs_are_requeued_and_finished(fleet: Fleet, start_sim
     assert_exactly_once(fleet, "p", [f"p-{n}" for n in range(30)])
     assert redis_client.zcard(wip) == 0
     # Reaping spends none of the job's retry budget.
-    assert Job.fetch(job_id("p", "p-0"), connection=redis_client, serializer=PlainPickle).retries_left == 100
+    assert Job.fetch(fleet.job_id("p", "p-0"), connection=redis_client, serializer=PlainPickle).retries_left == 100
 
 
 def test_redis_restarted_empty_mid_run_is_recovered_by_reenqueue(

@@ -73,7 +73,7 @@ def test_every_kind_of_bad_record_is_rejected_with_file_line_and_reason(fleet: F
     assert "exceed the context length 32768" in reasons[15]
 
     assert counts(orjson.loads(result.stdout)["partitions"]["mixed"]) == (16, 0, 0, 0, 2, 14)
-    assert sorted(queued(redis_client)) == sorted([job_id("mixed", "good-1"), job_id("mixed", "good-2")])
+    assert sorted(queued(redis_client)) == sorted([fleet.job_id("mixed", "good-1"), fleet.job_id("mixed", "good-2")])
 
 
 def test_chat_template_renders_messages_without_trailing_assistant_turns(fleet: Fleet, redis_client: redis.Redis):
@@ -88,14 +88,14 @@ def test_chat_template_renders_messages_without_trailing_assistant_turns(fleet: 
 
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
     expected = tokenizer.apply_chat_template(messages[:2], tools=tools, add_generation_prompt=True, tokenize=False)
-    kwargs = job_kwargs(redis_client, job_id("chat", 7))
+    kwargs = job_kwargs(redis_client, fleet.job_id("chat", 7))
     # The job refers to its prompt's ids in the output store rather than carrying them.
     assert "input_ids" not in kwargs
     ids = LocalStore(fleet.output_dir).read_prompt(PromptRef.model_validate(kwargs["prompt"]))
     assert tokenizer.decode(ids) == expected
     assert kwargs["sample_id"] == 7
     # An ID defaults to the record's 0-based line number.
-    assert job_kwargs(redis_client, job_id("chat", 1))["sample_id"] == 1
+    assert job_kwargs(redis_client, fleet.job_id("chat", 1))["sample_id"] == 1
     params = kwargs["sampling_params"]
     assert params["max_new_tokens"] == 10240
     assert params["skip_special_tokens"] is False
@@ -142,7 +142,7 @@ def test_completed_samples_are_not_enqueued(fleet: Fleet, redis_client: redis.Re
             )
         )
     assert counts(fleet.enqueued()) == (5, 2, 0, 0, 3, 0)
-    assert sorted(queued(redis_client)) == sorted(job_id("p", n) for n in (0, 2, 4))
+    assert sorted(queued(redis_client)) == sorted(fleet.job_id("p", n) for n in (0, 2, 4))
 
 
 def test_partition_options_choose_queue_and_sampling(fleet: Fleet, redis_client: redis.Redis):
@@ -150,9 +150,9 @@ def test_partition_options_choose_queue_and_sampling(fleet: Fleet, redis_client:
     fleet.write_partition("plain", [{"prompt": "hi"}])
     (fleet.data_dir / "partitions.toml").write_text('[B3_long]\nqueue = "long"\nmax_new_tokens = 777\ntop_k = 5\n')
     fleet.producer("enqueue", "--partition", "all")
-    assert queued(redis_client, "long") == [job_id("B3_long", 0)]
-    assert queued(redis_client, "short") == [job_id("plain", 0)]
-    params = job_kwargs(redis_client, job_id("B3_long", 0))["sampling_params"]
+    assert queued(redis_client, "long") == [fleet.job_id("B3_long", 0)]
+    assert queued(redis_client, "short") == [fleet.job_id("plain", 0)]
+    params = job_kwargs(redis_client, fleet.job_id("B3_long", 0))["sampling_params"]
     assert params["max_new_tokens"] == 777 and params["top_k"] == 5
 
 
@@ -179,7 +179,7 @@ def test_bad_setting_fails_naming_the_variable(fleet: Fleet):
 def test_a_failed_job_lost_from_the_failed_registry_is_enqueued_again(fleet: Fleet, redis_client: redis.Redis):
     fleet.write_partition("p", [{"id": n, "prompt": f"question {n}"} for n in range(3)])
     fleet.producer("enqueue")
-    lost, listed = job_id("p", 0), job_id("p", 1)
+    lost, listed = fleet.job_id("p", 0), fleet.job_id("p", 1)
     for identifier in (lost, listed):
         redis_client.lrem("rq:queue:short", 0, identifier)
         redis_client.hset(Job.key_for(identifier), "status", "failed")
@@ -189,14 +189,14 @@ def test_a_failed_job_lost_from_the_failed_registry_is_enqueued_again(fleet: Fle
     summary = counts(fleet.enqueued())
 
     assert summary == (3, 0, 1, 1, 1, 0)
-    assert queued(redis_client) == [job_id("p", 2), lost]
+    assert queued(redis_client) == [fleet.job_id("p", 2), lost]
     assert redis_client.hget(Job.key_for(lost), "status") == b"queued"
     # A failed job in the registry is retry-failed's: the script itself leaves it alone too.
     keys = [Job.key_for(listed), "rq:queue:short", "rq:queues", "rq:finished:short", "rq:canceled:short"]
     keys += ["rq:failed:short", "rq:failed:long"]
     assert redis_client.register_script(ENQUEUE_SCRIPT)(keys=keys, args=[listed, "status", "queued"]) == b"failed"
     assert redis_client.hget(Job.key_for(listed), "status") == b"failed"
-    assert queued(redis_client) == [job_id("p", 2), lost]
+    assert queued(redis_client) == [fleet.job_id("p", 2), lost]
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess[str], *named: str) -> None:

@@ -9,7 +9,6 @@ from pathlib import Path
 import orjson
 import pytest
 
-from common.protocol.keys import job_id
 from common.settings import get_settings
 from common.store import LocalStore
 from producer.__main__ import main
@@ -77,7 +76,7 @@ def test_verify_passes_a_clean_run_and_names_each_kind_of_damage(
     assert "outputs cut at max_new_tokens (finish_reason length) (1):\n    cut: 'c-0' (4 tokens)" in output
 
     store = LocalStore(fleet.output_dir)
-    victim = store.path(store.sample_key("p", job_id("p", "p-3")))
+    victim = store.path(store.sample_key("p", fleet.job_id("p", "p-3")))
     record = victim.read_bytes()
 
     victim.unlink()
@@ -120,3 +119,36 @@ def test_verify_passes_a_clean_run_and_names_each_kind_of_damage(
     assert "manifest says 7 records, p.jsonl has 8" in output and "changed since it was exported" in output
 
     assert verify()[0] == 0  # the store itself is whole again
+
+
+def test_an_edited_partition_is_generated_again_and_never_paired_with_old_outputs(
+    fleet: Fleet, start_simulator: Start, verify: Verify
+):
+    fleet.point_at(start_simulator())
+    questions = [{"prompt": f"Question {n}?"} for n in range(4)]
+    fleet.write_partition("p", questions)  # ids are line numbers
+    fleet.producer("enqueue")
+    assert fleet.start_worker("--burst").wait(timeout=60) == 0
+    # A line inserted at the top: every id now names another prompt.
+    fleet.write_partition("p", [{"prompt": "A new first question?"}, *questions])
+
+    summary = fleet.enqueued()
+
+    assert (summary["total"], summary["done"], summary["changed"], summary["enqueued"]) == (5, 0, 4, 5)
+    assert fleet.start_worker("--burst").wait(timeout=60) == 0
+    export = fleet.directory / "export"
+    fleet.producer("export", "--out", str(export), "--format", "sharegpt", "--strict")
+    rows = [orjson.loads(line) for line in (export / "p.jsonl").read_bytes().splitlines()]
+    assert [row["conversations"][0]["content"] for row in rows] == ["A new first question?"] + [
+        f"Question {n}?" for n in range(4)
+    ]
+    code, output = verify("--export", str(export))
+    # Every exported row is the generation of its prompt as it is now; the old outputs are only noted.
+    assert code == 0 and "input_ids differ" not in output
+    assert (
+        "outputs of an earlier version of a prompt, edited since (not exported; enqueue generates the new) (4):"
+        in output
+    )
+    # Changing the sampling parameters is an edit too.
+    (fleet.data_dir / "partitions.toml").write_text("[p]\ntemperature = 0.9\n")
+    assert fleet.enqueued()["changed"] == 5

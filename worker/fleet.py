@@ -224,7 +224,7 @@ class FleetWorker(Worker):
             arguments = GenerationJob.model_validate(job.kwargs)
         except ValidationError as error:
             raise _Refused(f"Refused: bad job arguments: {error}") from error
-        if job.id != job_id(arguments.partition, arguments.sample_id):
+        if job.id != job_id(arguments.partition, arguments.sample_id, arguments.version):
             raise _Refused(
                 f"Refused: job ID {job.id} is not the producer's for {arguments.partition}/{arguments.sample_id}"
             )

@@ -49,6 +49,7 @@ class Generator:
             id=job.sample_id,
             partition=job.partition,
             job_id=job_id,
+            version=job.version,
             input_ids=input_ids,
             output_ids=generated.output_ids,
             text=generated.text,

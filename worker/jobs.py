@@ -32,7 +32,7 @@ def generate(**kwargs: Any) -> dict[str, Any]:
     assert job is not None, "a generation job runs in an RQ worker"
     try:
         arguments = GenerationJob.model_validate(kwargs)
-        if job.id != job_id(arguments.partition, arguments.sample_id):
+        if job.id != job_id(arguments.partition, arguments.sample_id, arguments.version):
             raise ValueError(f"job ID {job.id} is not the producer's for {arguments.partition}/{arguments.sample_id}")
         _hint_once(job)
         settings = get_settings()

@@ -39,16 +39,23 @@ def sample_key(sample_id: str | int) -> str:
     return str(sample_id)
 
 
-def job_id(partition: str, sample_id: str | int) -> str:
-    """A deterministic RQ job ID for one sample, readable and limited to RQ's `[A-Za-z0-9_-]`.
+def job_id(partition: str, sample_id: str | int, version: str = "") -> str:
+    """A deterministic RQ job ID for one version of one sample, readable and limited to RQ's `[A-Za-z0-9_-]`.
 
     The readable part is lossy (unsafe characters folded, long IDs cut), so a hash of the exact
-    (partition, sample) pair keeps distinct samples apart.
+    (partition, sample, version) keeps distinct samples apart. The version is a digest of what the sample is
+    generated from (producer.prompts.prompt_version): a prompt edited between runs is another job, and its
+    output another record. Without a version, the ID is the one jobs had before versions (still read).
     """
     key = sample_key(sample_id)
-    digest = hashlib.blake2b(f"{partition}\0{key}".encode(), digest_size=8).hexdigest()
-    readable = _UNSAFE.sub("_", f"{partition}--{key}")[:80]
-    return f"{readable}--{digest}"
+    material = f"{partition}\0{key}" + (f"\0{version}" if version else "")
+    digest = hashlib.blake2b(material.encode(), digest_size=8).hexdigest()
+    return f"{readable_part(partition, sample_id)}--{digest}"
+
+
+def readable_part(partition: str, sample_id: str | int) -> str:
+    """How every job ID of a sample begins, whatever its version."""
+    return _UNSAFE.sub("_", f"{partition}--{sample_key(sample_id)}")[:80]
 
 
 # Held while a worker generates a sample, so that two workers never generate it at once.

@@ -13,17 +13,20 @@ from pathlib import Path
 import orjson
 from tqdm import tqdm
 
-from common.protocol.keys import job_id
+from common.records import OutputRecord
+from common.settings import Settings
 from common.store import OutputStore
 from producer.dataset.fidelity import drift
 from producer.dataset.formats import ExportOptions, is_truncated
 from producer.dataset.manifest import ExportSummary
+from producer.dataset.outputs import read_output
 from producer.partitions import Partition
 from producer.rejects import accepted_prompts, rejected_lines
 from producer.tokenizer import ChatTokenizer
 
 
 def export_partition(
+    settings: Settings,
     store: OutputStore,
     partition: Partition,
     out: Path,
@@ -36,12 +39,14 @@ def export_partition(
     digest = hashlib.sha256()
     temporary = summary.path.with_suffix(".jsonl.tmp")
     prompts = accepted_prompts(store, partition)
+    sampling_params = partition.sampling_params(settings)
     with open(temporary, "wb") as file:
         for prompt in tqdm(prompts, desc=partition.name, unit=" records", disable=None, leave=False):
-            record = store.load(partition.name, job_id(partition.name, prompt.sample_id))
-            if record is None:
+            _, data = read_output(store, partition.name, prompt, sampling_params)
+            if data is None:
                 summary.missing.append(prompt.sample_id)
                 continue
+            record = OutputRecord.from_json(data)
             summary.truncated += is_truncated(record)
             if not options.keeps(record):
                 continue

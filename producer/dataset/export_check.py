@@ -15,9 +15,8 @@ from typing import Any
 
 import orjson
 
-from common.protocol.keys import job_id, sample_key
+from common.protocol.keys import sample_key
 from common.records import OutputRecord
-from common.store import OutputStore
 from producer.dataset.fidelity import drift
 from producer.dataset.formats import ExportOptions
 from producer.dataset.report import Report
@@ -33,14 +32,13 @@ class ExportCheck:
         out: Path,
         partition: str,
         manifest: dict[str, Any] | None,
-        store: OutputStore,
         tokenizer: ChatTokenizer,
         report: Report,
     ) -> None:
         self.path = out / f"{partition}.jsonl"
         self.partition = partition
         self.manifest = manifest
-        self.store, self.tokenizer, self.report = store, tokenizer, report
+        self.tokenizer, self.report = tokenizer, report
         self.options = ExportOptions(manifest["format"], **manifest["options"]) if manifest else None
         self.digest = hashlib.sha256()
         self.rows = 0
@@ -107,17 +105,15 @@ class ExportCheck:
             self._add("tokens" if options.format in ("specforge", "raw") else "drift", f"{where}: {difference}")
 
     def _stray(self, row: Row, sample: str) -> None:
-        """A row out of its place: a repeat, or a sample that is no accepted prompt with an output."""
+        """A row out of its place: a repeat, a row out of input order, or of no accepted prompt with an output."""
+        where = f"{self.path.name}:{row[0]} (id {sample!r})"
         if self.offered.get(hash(sample)):
             self.repeats[sample] += 1
-            return
-        record = (
-            self.store.load(self.partition, job_id(self.partition, sample)) if hash(sample) in self.offered else None
-        )
-        if record is None:
-            self._add("export", f"{self.path.name}:{row[0]} (id {sample!r}) is no accepted prompt with an output")
-            return
-        self._check(row, sample, record)
+        elif hash(sample) in self.offered:
+            self.offered[hash(sample)] = True
+            self._add("export", f"{where} is out of input order")
+        else:
+            self._add("export", f"{where} is no accepted prompt with an output")
 
     def _options(self) -> ExportOptions | None:
         if self.options is None and (row := self._peek()) is not None:

@@ -22,6 +22,7 @@ PROBLEMS = {
 NOTES = {
     "length": "outputs cut at max_new_tokens (finish_reason length)",
     "servers": "partitions made by more than one server",
+    "stale": "outputs of an earlier version of a prompt, edited since (not exported; enqueue generates the new)",
     "drift": "exported rows a trainer would tokenize into other tokens than the generated ones"
     " (--format specforge keeps them exact)",
 }

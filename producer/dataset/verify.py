@@ -25,6 +25,7 @@ from __future__ import annotations
 from array import array
 from bisect import bisect_left
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import orjson
@@ -38,6 +39,7 @@ from common.store import OutputStore
 from common.store.base import job_id_of
 from producer.dataset.export_check import ExportCheck
 from producer.dataset.manifest import read_manifest
+from producer.dataset.outputs import read_output
 from producer.dataset.report import Report
 from producer.partitions import Partition
 from producer.prompts import Prompt, Rejected
@@ -68,19 +70,22 @@ class Verifier:
         name = partition.name
         export = None
         if self.export is not None:
-            export = ExportCheck(self.export, name, self.manifest, self.store, self.tokenizer, self.report)
-        # Hashes of the accepted prompts' job IDs, 8 bytes each: the store's listing is checked against them.
-        expected = array("q")
+            export = ExportCheck(self.export, name, self.manifest, self.tokenizer, self.report)
+        # Hashes of the accepted prompts' job IDs, and of their samples' IDs before versions, 8 bytes each: the
+        # store's listing is checked against them.
+        expected, samples = array("q"), array("q")
+        sampling_params = partition.sampling_params(self.settings)
         sampling: Counter[bytes] = Counter()
         servers: Counter[str] = Counter()
         models: Counter[str] = Counter()
         for prompt in tqdm(
             accepted_prompts(self.store, partition), desc=f"verify {name}", unit=" prompts", disable=None, leave=False
         ):
-            identifier = job_id(name, prompt.sample_id)
+            identifier, data = read_output(self.store, name, prompt, sampling_params)
             expected.append(hash(identifier))
+            samples.append(hash(job_id(name, prompt.sample_id)))
             key = self.store.sample_key(name, identifier)
-            record = self._read(name, key, missing=prompt)
+            record = self._parse(name, key, data, prompt)
             if record is None or not self._filed_right(name, key, record):
                 continue
             self._check_input_ids(name, prompt, record)
@@ -94,7 +99,7 @@ class Verifier:
         if export is not None:
             export.finish()
             export = None  # its memory goes before the listing's
-        self._unexplained(name, expected)
+        self._unexplained(name, expected, samples)
         if len(sampling) > 1:
             shown = "; ".join(f"{count} made with {params.decode()}" for params, count in sampling.most_common())
             self.report.add("sampling", name, shown)
@@ -110,31 +115,35 @@ class Verifier:
             self.report.outputs += 1
             self.report.add("unexpected", name, f"{self._where(key)}: no {name}.jsonl in {self.settings.data_dir}")
 
-    def _unexplained(self, name: str, hashes: array) -> None:
-        """Records in the store that no accepted prompt explains: stale, foreign, misfiled or copies."""
-        ordered = array("q", sorted(hashes))
-
-        def expected(identifier: str) -> bool:
-            index = bisect_left(ordered, hash(identifier))
-            return index < len(ordered) and ordered[index] == hash(identifier)
-
+    def _unexplained(self, name: str, hashes: array, samples: array) -> None:
+        """Records in the store that no accepted prompt explains: earlier versions, foreign, misfiled or copies."""
+        expected, accepted = _members(hashes), _members(samples)
         for key in self.store.sample_keys(name):
             identifier = job_id_of(key)
             if expected(identifier) and key == self.store.sample_key(name, identifier):
                 continue
-            record = self._read(name, key)
+            record = self._parse(name, key, self.store.read(key))
             if record is None:
                 continue
             if self._filed_right(name, key, record):
-                self.report.add("unexpected", name, f"{self._where(key)}: sample {record.id!r} is no accepted prompt")
+                if record.partition == name and accepted(job_id(name, record.id)):
+                    self.report.add(
+                        "stale", name, f"{self._where(key)}: sample {record.id!r}, version {record.version}"
+                    )
+                else:
+                    self.report.add(
+                        "unexpected", name, f"{self._where(key)}: sample {record.id!r} is no accepted prompt"
+                    )
                 continue
-            own = job_id(name, record.id)
+            own = job_id(name, record.id, record.version)
             if record.partition == name and expected(own) and self.store.has(name, own):
                 copies = f"{self._where(self.store.sample_key(name, own))}, {self._where(key)}"
                 self.report.add("duplicate", name, f"{name}/{sample_key(record.id)} is in 2 files: {copies}")
 
-    def _read(self, partition: str, key: str, missing: Prompt | None = None) -> OutputRecord | None:
-        data = self.store.read(key)
+    def _parse(
+        self, partition: str, key: str, data: bytes | None, missing: Prompt | None = None
+    ) -> OutputRecord | None:
+        """The record at `key`, or None, with what is wrong with it reported."""
         if data is None:
             if missing is not None:
                 self.report.add("missing", partition, f"{missing.sample_id!r} (line {missing.line})")
@@ -148,7 +157,7 @@ class Verifier:
 
     def _filed_right(self, partition: str, key: str, record: OutputRecord) -> bool:
         name = job_id_of(key)
-        expected = job_id(record.partition, record.id)
+        expected = job_id(record.partition, record.id, record.version)
         if record.partition != partition or record.job_id != name or expected != name:
             held = f"{record.partition}/{record.id!r} (job {record.job_id})"
             self.report.add(
@@ -178,3 +187,14 @@ class Verifier:
             self.report.add(
                 "input_ids", partition, f"{record.id!r}: {len(record.input_ids)} tokens then, {len(now)} now; {where}"
             )
+
+
+def _members(hashes: array) -> Callable[[str], bool]:
+    """Whether an ID's hash is among `hashes`, searched sorted: 8 bytes an ID rather than a set's 60."""
+    ordered = array("q", sorted(hashes))
+
+    def member(identifier: str) -> bool:
+        index = bisect_left(ordered, hash(identifier))
+        return index < len(ordered) and ordered[index] == hash(identifier)
+
+    return member
