@@ -31,8 +31,10 @@ import httpx
 import orjson
 from rq.job import Job
 
-from common.protocol.keys import job_id
+from bench.peak import PeakRss
 from common.protocol.serializer import PlainPickle
+from common.records import GenerationJob
+from common.store import open_store
 from tests.harness import ROOT, Fleet, RedisServer, Simulator, wait_until
 
 SHORT, LONG = 150, 32
@@ -75,12 +77,12 @@ class Sampler(threading.Thread):
                 self.samples.append(stats["running"] + stats["queued"])
 
 
-def wait_with_usage(pid: int) -> tuple[float, float]:
-    """Reap `pid`; its CPU seconds and peak RSS in MB."""
+def wait_for_cpu(pid: int) -> float:
+    """Reap `pid`; its CPU seconds."""
     _, status, usage = os.wait4(pid, 0)
     if os.waitstatus_to_exitcode(status) != 0:
         sys.exit(f"process {pid} failed")
-    return usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024
+    return usage.ru_utime + usage.ru_stime
 
 
 def measure(name: str, jobs: int, simulator: Simulator, start: callable) -> Run:
@@ -89,8 +91,11 @@ def measure(name: str, jobs: int, simulator: Simulator, start: callable) -> Run:
     began = time.monotonic()
     sampler.start()
     pid = start()
-    run.cpu_s, run.peak_rss_mb = wait_with_usage(pid)
+    peak = PeakRss(pid)
+    peak.start()
+    run.cpu_s = wait_for_cpu(pid)
     run.wall_s = time.monotonic() - began
+    run.peak_rss_mb = peak.stop()
     sampler.stopped.set()
     sampler.join()
     run.in_flight = sampler.samples
@@ -136,12 +141,18 @@ def write_partitions(fleet: Fleet, prompts: int, seed: int) -> None:
 
 def baseline_prompts(fleet: Fleet, client, path: Path) -> None:
     """The enqueued jobs' exact input_ids and sampling params, for the baseline client."""
+    store = open_store(fleet.settings())
     lines = []
     for partition in ("short", "long"):
-        for line in (fleet.data_dir / f"{partition}.jsonl").read_bytes().splitlines():
-            sample = orjson.loads(line)["id"]
-            kwargs = Job.fetch(job_id(partition, sample), connection=client, serializer=PlainPickle).kwargs
-            record = {"id": f"{partition}-{sample}", "queue": partition} | kwargs
+        for queued in client.lrange(f"rq:queue:{partition}", 0, -1):
+            job = Job.fetch(queued.decode(), connection=client, serializer=PlainPickle)
+            args = GenerationJob.model_validate(job.kwargs)
+            record = {
+                "id": f"{partition}-{args.sample_id}",
+                "queue": partition,
+                "input_ids": store.read_prompt(args.prompt) if args.prompt else args.input_ids,
+                "sampling_params": args.sampling_params,
+            }
             lines.append(orjson.dumps(record))
     path.write_bytes(b"\n".join(lines) + b"\n")
 
@@ -205,7 +216,7 @@ def main() -> None:
         f"\nreproduce: python -m bench.fleet --prompts {args.prompts} --token-latency {args.token_latency} "
         f"--output-tokens {args.output_tokens[0]} {args.output_tokens[1]}"
     )
-    print(f"(peak RSS via wait4 ru_maxrss; CPU = user + system of the worker or client process; files in {directory})")
+    print(f"(peak RSS: VmHWM, bench/peak.py; CPU: user + system of the worker or client; files in {directory})")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ Each figure beside its alternative, measured in the same run:
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import shutil
 import subprocess
@@ -29,6 +28,7 @@ import orjson
 from rq import Queue
 from rq.serializers import JSONSerializer
 
+from bench.peak import PeakRss
 from common.protocol.keys import JOB_FUNCTION, job_id
 from common.records import OutputRecord
 from common.store import LocalStore
@@ -45,10 +45,11 @@ def run(fleet: Fleet, *args: str) -> tuple[float, float]:
     process = subprocess.Popen(
         [sys.executable, "-m", "producer", *args], env=fleet.env, cwd=ROOT, stdout=subprocess.DEVNULL
     )
-    _, status, usage = os.wait4(process.pid, 0)
-    if os.waitstatus_to_exitcode(status) != 0:
+    peak = PeakRss(process.pid)
+    peak.start()
+    if process.wait() != 0:
         sys.exit(f"python -m producer {' '.join(args)} failed")
-    return time.perf_counter() - began, usage.ru_maxrss / 1024
+    return time.perf_counter() - began, peak.stop()
 
 
 def write_prompts(path: Path, count: int, tokens: int, seed: int) -> list[list[int]]:
