@@ -11,6 +11,8 @@ from urllib.parse import urlsplit, urlunsplit
 from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from common.protocol.keys import PROBATION, QUEUES
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="FLEET_", env_file=".env", extra="ignore")
@@ -54,8 +56,11 @@ class Settings(BaseSettings):
     shutdown_grace: float = Field(60.0, ge=0)
     # Attempts per job for transient failures (aborted generations, 5xx) while the server is healthy.
     max_attempts: int = Field(5, gt=0)
-    # Server crashes or disconnects one job may live through before it fails (they cost no attempt).
+    # Server crashes or disconnects one job may live through in a plain `rq worker` (they cost no attempt).
     max_server_failures: int = Field(10, gt=0)
+    # Times a FleetWorker's job may be running alone on a server when it goes down before the job fails as
+    # crashing the server (worker/probation.py: the jobs in flight at a crash are tried in ever smaller groups).
+    max_crashes_alone: int = Field(2, gt=0)
     retry_backoff: float = Field(1.0, gt=0)
     retry_backoff_max: float = Field(30.0, gt=0)
     connect_timeout: float = Field(10.0, gt=0)
@@ -130,9 +135,14 @@ class Settings(BaseSettings):
         return self.long_max_new_tokens if queue == "long" else self.short_max_new_tokens
 
     def concurrency(self, queue: str) -> int:
+        """The fleet-wide cap on `queue`'s jobs in flight; probation's own cap, kept in Redis, stays within both."""
+        if queue == PROBATION:
+            return self.short_concurrency + self.long_concurrency
         return self.long_concurrency if queue == "long" else self.short_concurrency
 
     def worker_concurrency(self, queue: str) -> int:
+        if queue == PROBATION:
+            return sum(self.worker_concurrency(name) for name in QUEUES)
         bound = self.worker_long_concurrency if queue == "long" else self.worker_short_concurrency
         return min(bound or self.concurrency(queue), self.concurrency(queue))
 

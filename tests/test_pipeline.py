@@ -124,6 +124,40 @@ def test_server_killed_mid_run_and_restarted(fleet: Fleet, start_simulator: Star
     assert_exactly_once(fleet, "p", [f"p-{n}" for n in range(80)])
 
 
+def test_only_the_prompt_that_crashes_the_server_fails(fleet: Fleet, start_simulator: Start, redis_client):
+    """The server dies whenever one prompt reaches it, taking every request in flight with it. Probation tries
+    the jobs that were in flight in ever smaller groups: the prompt alone fails, as crashing the server, after
+    a handful of crashes, and every other prompt is generated once."""
+    flags = ("--crash-on-token", "401", "--token-latency", "0.005")
+    flags += ("--min-output-tokens", "40", "--max-output-tokens", "80")
+    simulator = start_simulator(*flags)
+    fleet.point_at(simulator)
+    fleet.env["FLEET_SHORT_CONCURRENCY"] = "16"
+    records = [{"id": n, "input_ids": [5, n + 10, 9]} for n in range(60)]
+    records[37]["input_ids"] = [5, 401, 9]
+    fleet.write_partition("p", records)
+    fleet.producer("enqueue")
+    worker = fleet.start_worker("--burst")
+    crashes = 0
+    while True:
+        wait_until(lambda s=simulator: not worker.alive() or not s.alive(), timeout=60, what="the run or a crash")
+        if not worker.alive():
+            break
+        crashes += 1
+        simulator = start_simulator(*flags, port=simulator.port)
+
+    assert worker.wait(timeout=0) == 0
+    assert sorted(record["id"] for record in fleet.outputs("p")) == [n for n in range(60) if n != 37]
+    failed = FailedJobRegistry("short", connection=redis_client, serializer=PlainPickle)
+    assert failed.get_job_ids() == [fleet.job_id("p", 37)]
+    job = Job.fetch(fleet.job_id("p", 37), connection=redis_client, serializer=PlainPickle)
+    blame = "CrashesTheServer: the server went down 2 times while this prompt ran alone"
+    assert blame in job.latest_result().exc_string
+    # The first crash, one with all 16 in probation, a few while its groups shrink (12, 3, 1), two with it alone.
+    assert 3 <= crashes <= 8, crashes
+    assert redis_client.llen("rq:queue:probation") == 0
+
+
 def test_sigkilled_worker_jobs_are_requeued_and_finished(fleet: Fleet, start_simulator: Start, redis_client):
     # Slow generations, so that the first worker dies with jobs in flight.
     simulator = start_simulator("--token-latency", "0.02", "--min-output-tokens", "100", "--max-output-tokens", "100")

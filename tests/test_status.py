@@ -12,22 +12,14 @@ import redis
 from rq import Worker
 from rq.queue import Queue
 
-from common.protocol.keys import server_metrics_key, worker_state_key
+from common.protocol.keys import PROBATION_KEY, PROBATION_QUEUE_KEY, server_metrics_key, worker_state_key
 from common.records import WorkerReport
-from common.settings import Settings
 from common.store import open_store
 from producer.console.roster import list_workers
 from producer.console.status import collect_status
 from tests.harness import Fleet, Simulator, wait_until
 
 Start = Callable[..., Simulator]
-
-
-def settings_of(fleet: Fleet) -> Settings:
-    """The settings the fleet's processes read from their FLEET_* variables, for in-process calls."""
-    return Settings(
-        **{key.removeprefix("FLEET_").lower(): value for key, value in fleet.env.items() if key.startswith("FLEET_")}
-    )
 
 
 def reported_in_flight(client: redis.Redis) -> dict[str, int] | None:
@@ -110,7 +102,7 @@ def test_a_crashed_server_is_told_apart_from_a_healthy_idle_one(fleet: Fleet, st
     redis_client.hset(
         server_metrics_key(idle.url), mapping={"running_req": 3, "gen_throughput": 812.5, "updated_at": time.time()}
     )
-    settings = settings_of(fleet)
+    settings = fleet.settings()
     servers_now = collect_status(redis_client, settings, open_store(settings)).servers
     view = next(server for server in servers_now if server.url == idle.url)
     assert view.metrics_from == "supervisor" and view.metrics["running_req"] == 3
@@ -120,7 +112,7 @@ def test_workers_are_listed_with_stale_dead_and_duplicate_ones_flagged(
     fleet: Fleet, start_simulator: Start, redis_client: redis.Redis
 ):
     fleet.point_at(start_simulator())
-    settings = settings_of(fleet)
+    settings = fleet.settings()
     lively = fleet.start_worker()
     # A long lease keeps its report in Redis after it stops.
     frozen = fleet.start_worker(env={"FLEET_LEASE_TTL": "60"})
@@ -161,8 +153,23 @@ def test_in_flight_above_the_fleet_cap_is_a_problem(fleet: Fleet, redis_client: 
         )
         redis_client.set(worker_state_key(name), report.to_json(), ex=60)
 
-    settings = settings_of(fleet)
+    settings = fleet.settings()
     status = collect_status(redis_client, settings, open_store(settings))
 
     assert status.queues["short"] == {"in_flight": 200, "cap": 150}
     assert any("200 short jobs in flight across the workers, above the fleet cap of 150" in p for p in status.problems)
+
+
+def test_status_shows_jobs_on_probation_and_counts_them_as_queued(fleet: Fleet, redis_client: redis.Redis):
+    fleet.write_partition("p", [{"id": f"p-{n}", "input_ids": [5] * 10} for n in range(3)])
+    fleet.producer("enqueue")
+    # As a worker leaves it after a server went down with this job in flight and cut probation's cap to 2.
+    redis_client.lmove(Queue("short", connection=redis_client).key, PROBATION_QUEUE_KEY)
+    redis_client.hset(PROBATION_KEY, "cap", 2)
+
+    status = status_json(fleet)
+
+    assert status["queues"]["probation"] == {"in_flight": 0, "cap": 2}
+    assert any(note.startswith("probation: 1 jobs waiting, 0 running (at most 2 at once)") for note in status["notes"])
+    assert status["partitions"]["p"]["queued"] == 3
+    assert "probation: 1 jobs waiting" in fleet.producer("status").stdout

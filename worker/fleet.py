@@ -37,6 +37,7 @@ from common.connection import connection_url
 from common.protocol import outcomes
 from common.protocol.keys import (
     JOB_FUNCTION,
+    PROBATION,
     REAPER_LOCK,
     job_id,
     worker_state_key,
@@ -47,8 +48,9 @@ from common.settings import Settings, get_settings
 from common.store import OutputStore, StoreError, open_store
 from worker.generation import Generator
 from worker.leases import Lease, Leases
+from worker.probation import Probation
 from worker.redis_calls import call_redis
-from worker.sglang import SGLangClient, Unauthorized
+from worker.sglang import ServerDown, SGLangClient, Unauthorized
 
 log = logging.getLogger(__name__)
 
@@ -60,12 +62,15 @@ class FleetWorker(Worker):
     def __init__(self, queues: Any, *args: Any, **kwargs: Any) -> None:
         kwargs["serializer"] = PlainPickle
         super().__init__(queues, *args, **kwargs)
-        # `rq worker` builds its queues with the command line's serializer: rebuild them with the fleet's.
-        self.queues = [Queue(queue.name, connection=self.connection, serializer=PlainPickle) for queue in self.queues]
+        # `rq worker` builds its queues with the command line's serializer: rebuild them with the fleet's, probation
+        # first, whatever the command line names.
+        names = [PROBATION] + [queue.name for queue in self.queues if queue.name != PROBATION]
+        self.queues = [Queue(name, connection=self.connection, serializer=PlainPickle) for name in names]
         self._ordered_queues = self.queues[:]
         self.settings: Settings = get_settings()
         self.worker_ttl = self.settings.lease_ttl
         self.leases = Leases(self.connection, self.settings.lease_ttl)
+        self.probation = Probation(self.connection, self.settings)
         self.in_flight: dict[str, Lease] = {}
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.running = {queue.name: 0 for queue in self.queues}
@@ -115,7 +120,7 @@ class FleetWorker(Worker):
             loop.add_signal_handler(signum, self._request_stop)
 
         self.client = SGLangClient(self.settings)
-        self.generator = Generator(self.settings, store, self.client)
+        self.generator = Generator(self.settings, store, self.client, max_server_failures=1)
         await self.client.start()
         await call_redis(self._register)
         log.info(
@@ -198,6 +203,8 @@ class FleetWorker(Worker):
                 result = await self.generator.run(job.id, arguments)
             except asyncio.CancelledError:
                 raise  # the drain puts the job back in its queue
+            except ServerDown as error:
+                await call_redis(self._server_went_down, job, lease, error)
             except Unauthorized as error:
                 self.fatal = f"{error}; check FLEET_SGLANG_API_KEY"
                 self._stop.set()
@@ -237,12 +244,29 @@ class FleetWorker(Worker):
             self.running[lease.queue.name] -= 1
         self._slot_freed.set()
 
+    def _server_went_down(self, job: Job, lease: Lease, error: ServerDown) -> None:
+        """The job's request was in flight when its server went down: probation finds out whether it did that."""
+        if lease.queue.name != PROBATION:
+            self.probation.suspect(lease)
+            log.info("%s: its server went down while it ran (%s): to probation", job.id, error)
+            return
+        crashes = self.probation.crashed(lease)
+        if crashes >= self.settings.max_crashes_alone:
+            failure = f"CrashesTheServer: the server went down {crashes} times while this prompt ran alone on it"
+            log.warning("job %s failed: %s", job.id, failure)
+            self._record_failure(job, lease, f"{failure}; last: {error}")
+            return
+        self.leases.finish(self.connection, lease, requeue=True)
+        log.info("%s: its server went down again while it ran in probation (%s)", job.id, error)
+
     def _record_success(self, job: Job, lease: Lease, partition: str, result: GenerationResult) -> None:
         ended_at = datetime.now(UTC)
         execution = {"execution_id": lease.execution_id, "started_at": lease.started_at, "ended_at": ended_at}
         with self.connection.pipeline() as pipeline:
             outcomes.record_success(pipeline, job, result, self.settings.result_ttl, self.name, **execution)
             self.leases.finish(pipeline, lease)
+            if lease.queue.name == PROBATION:
+                self.probation.passed(pipeline)
             outcomes.record_counts(pipeline, partition, result)
             self.increment_successful_job_count(pipeline=pipeline)
             self.increment_total_working_time(ended_at - lease.started_at, pipeline)
@@ -337,13 +361,15 @@ class FleetWorker(Worker):
 
     def report(self) -> WorkerReport:
         """What status tooling shows of this worker: jobs in flight per queue and what it sees of the servers."""
+        # Probation is every FleetWorker's, and shown only while this worker runs some of its jobs.
+        shown = [queue.name for queue in self.queues if queue.name != PROBATION or self.running[PROBATION]]
         return WorkerReport(
             name=self.name,
             host=self.hostname,
             pid=self.pid,
-            queues=[queue.name for queue in self.queues],
-            in_flight=dict(self.running),
-            slots={queue.name: self.settings.worker_concurrency(queue.name) for queue in self.queues},
+            queues=shown,
+            in_flight={name: self.running[name] for name in shown},
+            slots={name: self.settings.worker_concurrency(name) for name in shown},
             servers=[
                 ServerSeen(
                     url=server.url, healthy=server.healthy, in_flight=server.in_flight, down_since=server.down_since
@@ -355,7 +381,8 @@ class FleetWorker(Worker):
 
     def _slot_summary(self) -> str:
         limits = self.settings.worker_concurrency, self.settings.concurrency
-        return ", ".join(f"{q.name} x{limits[0](q.name)} (fleet cap {limits[1](q.name)})" for q in self.queues)
+        named = [queue for queue in self.queues if queue.name != PROBATION]
+        return ", ".join(f"{q.name} x{limits[0](q.name)} (fleet cap {limits[1](q.name)})" for q in named)
 
 
 class _Refused(Exception):

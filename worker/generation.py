@@ -26,10 +26,13 @@ class Generator:
         settings: Settings,
         store: OutputStore,
         client: SGLangClient,
+        max_server_failures: int | None = None,
     ) -> None:
         self.settings = settings
         self.store = store
         self.client = client
+        # A FleetWorker takes the first failure out of the generation: its job goes to probation.
+        self.max_server_failures = max_server_failures or settings.max_server_failures
 
     async def run(self, job_id: str, job: GenerationJob) -> GenerationResult:
         """Generate and commit one sample; the return value is the RQ job's result."""
@@ -100,7 +103,7 @@ class Generator:
                 # The client waits for a healthy server on the next call: no ordinary retry is spent. A prompt
                 # that was in flight through many server crashes may be what crashes it: it gets a limit.
                 server_failures += 1
-                if server_failures >= self.settings.max_server_failures:
+                if server_failures >= self.max_server_failures:
                     raise
                 log.info("retrying after server went down: %s", error)
             except TransientError as error:

@@ -25,7 +25,14 @@ from rq.job import Job
 from rq.utils import utcformat
 
 from common.protocol import scripts
-from common.protocol.keys import generation_lock_key, lapsed_key, lease_key
+from common.protocol.keys import (
+    PROBATION,
+    PROBATION_KEY,
+    PROBATION_QUEUE_KEY,
+    generation_lock_key,
+    lapsed_key,
+    lease_key,
+)
 
 
 @dataclass
@@ -38,6 +45,10 @@ class Lease:
     started_at: datetime = field(default_factory=lambda: datetime.now(UTC))
     job_id: str = ""
     locked: bool = False
+    # A probation job's claim (worker/probation.py): whether no other was running, its turn, the cap's epoch.
+    alone: bool = False
+    turn: int = 0
+    epoch: int = 0
 
     @property
     def member(self) -> str:
@@ -64,14 +75,17 @@ class Leases:
         self._reap = connection.register_script(scripts.REAP)
 
     def claim(self, lease: Lease, cap: int) -> dict[bytes, bytes] | None:
-        """Claim the next job of the lease's queue: its hash, or None when the queue is empty or the fleet full."""
+        """Claim the next job of the lease's queue: its hash, or None when the queue is empty, the fleet full, or
+        (for another queue than probation) probation busy."""
         keys = [lease.queue.key, lease.queue.started_job_registry.key, lease_key(lease.queue.name)]
+        keys += [PROBATION_QUEUE_KEY, lease_key(PROBATION), PROBATION_KEY]
         args = [self.lease_ttl, lease.execution_id, lease.owner, utcformat(lease.started_at), cap, lease.worker_name]
-        reply = self._claim(keys=keys, args=args)
+        reply = self._claim(keys=keys, args=[*args, int(lease.queue.name == PROBATION)])
         if not reply:
             return None
-        job_id, locked, *fields = reply
+        job_id, locked, alone, turn, epoch, *fields = reply
         lease.job_id, lease.locked = job_id.decode(), bool(locked)
+        lease.alone, lease.turn, lease.epoch = bool(alone), int(turn), int(epoch)
         return dict(zip(fields[::2], fields[1::2], strict=True))
 
     def renew(self, pipeline: Pipeline, lease: Lease) -> None:

@@ -6,8 +6,16 @@ import hashlib
 import re
 
 from rq.job import Job, JobStatus
+from rq.queue import Queue
 
 QUEUES = ("short", "long")
+# The jobs that were in flight when a server went down wait in this queue, each still its own queue's job, and
+# run in ever smaller groups with nothing else in flight until the one that crashes the server is found
+# (worker/probation.py). FleetWorkers take from it before their other queues.
+PROBATION = "probation"
+# Every queue a job can wait or run in.
+ALL_QUEUES = (*QUEUES, PROBATION)
+PROBATION_QUEUE_KEY = Queue.redis_queue_namespace_prefix + PROBATION
 
 # The only function a FleetWorker executes, whatever a job in Redis names.
 JOB_FUNCTION = "worker.jobs.generate"
@@ -74,6 +82,12 @@ def lease_key(queue: str) -> str:
 def lapsed_key(queue: str) -> str:
     """When the reaper first saw each of `queue`'s lapsed leases: it reaps one that stays lapsed a lease longer."""
     return f"{PREFIX}:lapsed:{queue}"
+
+
+# A hash of probation's state: `cap` (how many of its jobs may run at once), `streak` (successes at that cap),
+# `hold` (the size of the group whose crash last cut the cap), `epoch` (bumped at each cut) and `turn` (a count
+# of its claims).
+PROBATION_KEY = f"{PREFIX}:probation"
 
 
 def worker_state_key(worker_name: str) -> str:

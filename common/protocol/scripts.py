@@ -57,6 +57,8 @@ redis.call('HSET', KEYS[2], 'status', 'queued', 'enqueued_at', ARGV[2], 'started
 if redis.call('HEXISTS', KEYS[2], 'retries_left') == 1 then
     redis.call('HSET', KEYS[2], 'retries_left', ARGV[3])
 end
+-- Nor has it crashed the server yet, as far as probation counts (worker/probation.py).
+redis.call('HDEL', KEYS[2], 'fleet_crashes')
 -- The failed registry set the job to expire with its entry; a queued job must not.
 redis.call('PERSIST', KEYS[2])
 redis.call('SADD', KEYS[4], KEYS[3])
@@ -116,14 +118,24 @@ _NOW = "local clock = redis.call('TIME')\nlocal now = tonumber(clock[1]) + tonum
 
 # Pop the next job that is really waiting and mark it started, unless the fleet's cap is reached. An
 # ID whose job is missing, or no longer `queued` (pushed twice, finished or canceled meanwhile), is
-# dropped. Takes the sample's generation lock when free. Returns the job ID, 1 if the lock was taken,
-# then the job hash, so that no second round trip fetches it.
-# KEYS: queue list, started registry, lease set.
-# ARGV: lease seconds, execution ID, lock owner, RQ timestamp, cap, worker name.
+# dropped. Takes the sample's generation lock when free. While probation has jobs waiting or running, no other
+# queue's job is claimed, and probation's cap is its own (worker/probation.py). Returns the job ID, 1 if the
+# lock was taken, then, for probation, 1 if no other probation job was running, its turn and the cap's epoch
+# (zeros otherwise), then the job hash, so that no second round trip fetches it.
+# KEYS: queue list, started registry, lease set, probation list, probation lease set, probation hash.
+# ARGV: lease seconds, execution ID, lock owner, RQ timestamp, cap, worker name, 1 if the queue is probation.
 CLAIM = (
     _NOW
     + """
-if redis.call('ZCOUNT', KEYS[3], now, '+inf') >= tonumber(ARGV[5]) then
+local cap = tonumber(ARGV[5])
+local probation = ARGV[7] == '1'
+if probation then
+    cap = tonumber(redis.call('HGET', KEYS[6], 'cap') or '1')
+elseif redis.call('LLEN', KEYS[4]) > 0 or redis.call('ZCOUNT', KEYS[5], now, '+inf') > 0 then
+    return false
+end
+local running = redis.call('ZCOUNT', KEYS[3], now, '+inf')
+if running >= cap then
     return false
 end
 while true do
@@ -143,7 +155,16 @@ while true do
         local lock = redis.call('SET', '"""
     + LOCK_PREFIX
     + """' .. job_id, ARGV[3], 'NX', 'PX', math.floor(tonumber(ARGV[1]) * 1000))
+        local alone, turn, epoch = 0, 0, 0
+        if probation then
+            alone = running == 0 and 1 or 0
+            turn = redis.call('HINCRBY', KEYS[6], 'turn', 1)
+            epoch = tonumber(redis.call('HGET', KEYS[6], 'epoch') or '0')
+        end
         local job = redis.call('HGETALL', job_key)
+        table.insert(job, 1, epoch)
+        table.insert(job, 1, turn)
+        table.insert(job, 1, alone)
         table.insert(job, 1, lock and 1 or 0)
         table.insert(job, 1, job_id)
         return job
@@ -228,3 +249,62 @@ end
 return requeued
 """
 )
+
+
+# Probation (worker/probation.py): the jobs in flight when a server went down run again in ever smaller groups,
+# with nothing else in flight, until one runs alone when the server goes down: that one crashes it.
+
+# Send a job whose request was in flight when its server went down to the back of probation, as FINISH
+# requeues; the first to arrive in an idle probation sets its cap. Returns 1 if the job was moved.
+# KEYS: started registry, lock, job hash, probation list, lease set, lapsed marks, probation lease set,
+# probation hash. ARGV: member, lock owner, job ID, RQ timestamp, probation's first cap.
+SUSPECT = (
+    _NOW
+    + """
+redis.call('ZREM', KEYS[1], ARGV[1])
+redis.call('ZREM', KEYS[5], ARGV[1])
+redis.call('HDEL', KEYS[6], ARGV[1])
+if redis.call('GET', KEYS[2]) == ARGV[2] then
+    redis.call('DEL', KEYS[2])
+end
+if redis.call('HGET', KEYS[3], 'status') ~= 'started' then
+    return 0
+end
+if redis.call('LLEN', KEYS[4]) == 0 and redis.call('ZCOUNT', KEYS[7], now, '+inf') == 0 then
+    redis.call('HSET', KEYS[8], 'cap', ARGV[5], 'streak', 0, 'hold', 0)
+    redis.call('HINCRBY', KEYS[8], 'epoch', 1)
+end
+redis.call('HSET', KEYS[3], 'status', 'queued', 'enqueued_at', ARGV[4])
+redis.call('RPUSH', KEYS[4], ARGV[3])
+return 1
+"""
+)
+
+# A probation job's server went down while it ran. The first of the group to say so cuts the cap to a quarter
+# (those claimed at the same epoch were running together), and holds it there until as many jobs as the group
+# that crashed have passed: the smaller groups split that one, rather than grow back into it. Returns how many
+# times the job has now been running alone when its server went down (its hash's `fleet_crashes`), or 0 if it
+# was not alone: it was, if no other probation job was running when it was claimed and none has been claimed
+# since.
+# KEYS: probation hash, job hash. ARGV: the job's turn, 1 if it was claimed alone, its epoch.
+CRASHED = """
+local cap = tonumber(redis.call('HGET', KEYS[1], 'cap') or '1')
+if tonumber(redis.call('HGET', KEYS[1], 'epoch') or '0') == tonumber(ARGV[3]) then
+    redis.call('HSET', KEYS[1], 'cap', math.max(1, math.floor(cap / 4)), 'streak', 0, 'hold', cap)
+    redis.call('HINCRBY', KEYS[1], 'epoch', 1)
+end
+if ARGV[2] == '1' and tonumber(redis.call('HGET', KEYS[1], 'turn')) == tonumber(ARGV[1]) then
+    return redis.call('HINCRBY', KEYS[2], 'fleet_crashes', 1)
+end
+return 0
+"""
+
+# A probation job finished: after as many in a row as the cap (and as the group whose crash it holds for),
+# the cap doubles, up to the fleet's caps. KEYS: probation hash. ARGV: the largest cap.
+PASSED = """
+local cap = tonumber(redis.call('HGET', KEYS[1], 'cap') or '1')
+local hold = tonumber(redis.call('HGET', KEYS[1], 'hold') or '0')
+if redis.call('HINCRBY', KEYS[1], 'streak', 1) >= math.max(cap, hold) then
+    redis.call('HSET', KEYS[1], 'cap', math.min(cap * 2, tonumber(ARGV[1])), 'streak', 0, 'hold', 0)
+end
+"""

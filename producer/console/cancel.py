@@ -13,7 +13,7 @@ from redis import Redis
 from rq.queue import Queue
 
 from common.protocol import scripts
-from common.protocol.keys import QUEUES
+from common.protocol.keys import ALL_QUEUES
 from common.protocol.serializer import PlainPickle
 from producer.console.census import PartitionResolver, recorded_partitions
 
@@ -23,7 +23,7 @@ def cancel_queued(connection: Redis, partitions: list[str]) -> Counter[str]:
     script = connection.register_script(scripts.CANCEL_QUEUED)
     resolver = PartitionResolver(connection, set(recorded_partitions(connection)) | set(partitions))
     canceled: Counter[str] = Counter()
-    for name in QUEUES:
+    for name in ALL_QUEUES:
         queue = Queue(name, connection=connection, serializer=PlainPickle)
         listed = {item.decode() for item in connection.lrange(queue.key, 0, -1)}
         partition_of = resolver.resolve(listed)

@@ -42,9 +42,14 @@ FIXES = (
         " the settings, then `python -m producer retry-failed`",
     ),
     (
+        ("CrashesTheServer",),
+        "the server went down each time this prompt ran alone on it: look at the prompt (and the server's log);"
+        " `retry-failed` would crash the server again",
+    ),
+    (
         ("ServerDown",),
-        "in flight through FLEET_MAX_SERVER_FAILURES server crashes: it may be what crashes the server;"
-        " look at the prompt before `retry-failed`",
+        "a plain RQ worker's job in flight through FLEET_MAX_SERVER_FAILURES server crashes: it may be what"
+        " crashes the server; look at the prompt before `retry-failed`",
     ),
     (
         ("PromptMissing",),

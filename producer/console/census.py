@@ -18,7 +18,7 @@ from redis import Redis
 from rq.job import Job
 from rq.queue import Queue
 
-from common.protocol.keys import QUEUES, job_id_prefix, lease_key, partition_key
+from common.protocol.keys import ALL_QUEUES, job_id_prefix, lease_key, partition_key
 from common.protocol.serializer import PlainPickle
 
 # Jobs that no known partition claims: not the producer's, or from a partition whose totals are gone.
@@ -87,7 +87,7 @@ def take_census(connection: Redis, resolver: PartitionResolver, now: float, wind
     after it finished, so the recent ones are those scored above `now + result_ttl - window`.
     """
     with connection.pipeline(transaction=False) as pipeline:
-        for name in QUEUES:
+        for name in ALL_QUEUES:
             queue = Queue(name, connection=connection, serializer=PlainPickle)
             pipeline.lrange(queue.key, 0, -1)
             pipeline.zrange(queue.started_job_registry.key, 0, -1)

@@ -15,7 +15,14 @@ from typing import Any
 
 from redis import Redis
 
-from common.protocol.keys import COMPLETIONS_KEY, TOTALS_KEY, partition_key
+from common.protocol.keys import (
+    COMPLETIONS_KEY,
+    PROBATION,
+    PROBATION_KEY,
+    PROBATION_QUEUE_KEY,
+    TOTALS_KEY,
+    partition_key,
+)
 from common.records import Totals
 from common.settings import Settings
 from common.store import OutputStore
@@ -171,12 +178,26 @@ def collect_status(connection: Redis, settings: Settings, store: OutputStore, re
         queues=fleet_load(workers, settings),
     )
     status.problems = find_problems(status)
+    _note_probation(connection, status)
     if not settings.data_dir.is_dir():
         status.notes.append(
             f"FLEET_DATA_DIR {settings.data_dir} does not exist here: status needs only Redis and the store,"
             " but enqueue, export and verify read the partitions there"
         )
     return status
+
+
+def _note_probation(connection: Redis, status: Status) -> None:
+    """Probation holds back every other job while it runs, so status says so, with its cap."""
+    waiting, cap = connection.llen(PROBATION_QUEUE_KEY), int(connection.hget(PROBATION_KEY, "cap") or 1)
+    running = status.queues.get(PROBATION, {}).get("in_flight", 0)
+    if waiting or running:
+        status.queues.setdefault(PROBATION, {"in_flight": running})["cap"] = cap
+        status.notes.append(
+            f"probation: {waiting} jobs waiting, {running} running (at most {cap} at once): a server went"
+            " down with them in flight, and no other job starts until each has run in a smaller group; one running"
+            " alone when a server goes down again fails as crashing it"
+        )
 
 
 def _partitions(connection: Redis, store: OutputStore, recount: bool) -> dict[str, PartitionProgress]:

@@ -89,6 +89,7 @@ class Simulator:
         self.inputs: Counter[str] = Counter()
         self.used_tokens = 0
         self.exiting = False
+        self.crashing: asyncio.Future[None] | None = None
         self.started = time.time()
 
     def app(self) -> Starlette:
@@ -131,6 +132,11 @@ class Simulator:
             self.stats["errors"] += 1
             return JSONResponse(refused.body, status_code=400)
         self.inputs.update(input_digest(prompt.input_ids) for prompt in prompts)
+        poison = self.args.crash_on_token
+        if poison is not None and not self.exiting and any(poison in prompt.input_ids for prompt in prompts):
+            # As a server that a prompt crashes: it takes the prompt in, then dies with everything in flight.
+            self.exiting = True
+            self.crashing = asyncio.ensure_future(self.crash(f"a prompt holds token {poison} (--crash-on-token)"))
         if self.args.hang:
             await until_disconnected(request)
             return Response()
@@ -153,7 +159,7 @@ class Simulator:
         crash = None
         if self.args.exit_after is not None and self.stats["completed"] >= self.args.exit_after:
             self.exiting = True
-            crash = BackgroundTask(self.crash)
+            crash = BackgroundTask(self.crash, f"--exit-after {self.args.exit_after} reached")
         outputs = work.result()
         return JSONResponse(outputs[0] if single else outputs, background=crash)
 
@@ -193,9 +199,9 @@ class Simulator:
             },
         }
 
-    async def crash(self) -> None:
+    async def crash(self, reason: str) -> None:
         await asyncio.sleep(EXIT_GRACE_SECONDS)
-        log.warning("--exit-after %d reached: exiting abruptly, dropping open connections", self.args.exit_after)
+        log.warning("%s: exiting abruptly, dropping open connections", reason)
         os._exit(1)
 
     async def health(self, request: Request) -> Response:

@@ -60,6 +60,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--exit-after", type=positive_int, help="die abruptly (os._exit) after answering this many /generate requests"
     )
     faults.add_argument(
+        "--crash-on-token",
+        type=int,
+        metavar="ID",
+        help="die abruptly (os._exit) as soon as a prompt holding this token id arrives, with all in flight",
+    )
+    faults.add_argument(
         "--abort-rate",
         type=fraction,
         default=0.0,
