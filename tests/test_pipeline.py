@@ -170,6 +170,12 @@ def test_sigkilled_worker_jobs_are_requeued_and_finished(fleet: Fleet, start_sim
     wait_until(lambda: redis_client.zcard(wip) >= 30, what="30 jobs in flight")
     doomed.signal(signal.SIGKILL)
     killed_at = time.monotonic()
+    # What a writer killed between writing its temporary file and linking it leaves, long ago.
+    leftover = fleet.output_dir / ".tmp" / "p--p-0--x.json.4242.0a1b"
+    leftover.parent.mkdir(parents=True, exist_ok=True)
+    leftover.write_bytes(b'{"half a rec')
+    day_ago = time.time() - 86_400
+    os.utime(leftover, (day_ago, day_ago))
 
     survivor = fleet.start_worker()
 
@@ -185,7 +191,8 @@ def test_sigkilled_worker_jobs_are_requeued_and_finished(fleet: Fleet, start_sim
     survivor.signal(signal.SIGTERM)
     assert survivor.wait(timeout=30) == 0
     assert_exactly_once(fleet, "p", [f"p-{n}" for n in range(30)])
-    assert redis_client.zcard(wip) == 0
+    assert redis_client.zcard(wip) == 0 and not leftover.exists()
+    assert "removed 1 temporary files that killed writers left" in survivor.output()
     # Reaping spends none of the job's retry budget.
     assert Job.fetch(fleet.job_id("p", "p-0"), connection=redis_client, serializer=PlainPickle).retries_left == 100
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -104,3 +106,19 @@ def test_a_filesystem_without_hard_links_is_refused_before_any_work(tmp_path: Pa
     monkeypatch.setattr("common.store.local.os.link", no_links)
     problem = LocalStore(tmp_path / "fuse").problem()
     assert problem is not None and "Operation not permitted" in problem and "FLEET_OUTPUT_DIR=s3://" in problem
+
+
+def test_temporary_files_are_never_listed_and_those_left_by_killed_writers_are_removed(tmp_path: Path):
+    store = LocalStore(tmp_path)
+    store.commit(record(1))
+    temporaries = tmp_path / ".tmp"
+    left, writing = temporaries / "p--2--x.json.4242.0a1b", temporaries / "p--3--x.json.4243.0c2d"
+    for path in (left, writing):
+        path.write_bytes(b'{"half a rec')
+    day_ago = time.time() - 86_400
+    os.utime(left, (day_ago, day_ago))
+
+    assert store.done("p") == {"p--1--x"} and store.partitions() == ["p"] and ".tmp" not in store.folders("")
+    assert list(store.keys("")) == [store.sample_key("p", "p--1--x")]
+    assert store.remove_leftovers() == 1
+    assert not left.exists() and writing.exists()

@@ -86,6 +86,8 @@ class FleetWorker(Worker):
         try:
             store = open_store(self.settings)
             problem = store.problem()
+            if not problem and (removed := store.remove_leftovers()):
+                log.info("removed %d temporary files that killed writers left in %s", removed, store.location)
         except StoreError as error:
             problem = str(error)
         if problem:

@@ -67,6 +67,11 @@ class OutputStore(ABC):
     def problem(self) -> str | None:
         """Why records cannot be committed here, if they cannot: checked before any generation is spent."""
 
+    def remove_leftovers(self) -> int:
+        """Remove the temporary files that writers killed mid-write left; how many. A store whose writes leave
+        nothing behind has none."""
+        return 0
+
     # Samples.
 
     def sample_key(self, partition: str, job_id: str) -> str:

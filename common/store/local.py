@@ -2,16 +2,24 @@
 
 A record is written under a temporary name, fsynced, then hard-linked to its final name: `link` fails if the
 name exists, so the first commit wins, and a reader sees either no file or a whole one. New folders are
-fsynced too, so that a power loss cannot lose a folder of outputs.
+fsynced too, so that a power loss cannot lose a folder of outputs. Temporary files live in one folder, `.tmp`,
+where a worker that starts removes those that a killed writer left.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from common.store.base import PROMPTS, REJECTS, SAMPLES, OutputStore, StoreError
+
+TEMPORARY = ".tmp"
+# A temporary file this old was left by a killed writer: a write takes moments. Its age is the file server's
+# clock against this host's; were they further apart than this, a file being written could go, and its commit
+# would fail with a StoreError, which the worker retries.
+LEFTOVER_AGE = 6 * 3600
 
 
 class LocalStore(OutputStore):
@@ -75,7 +83,7 @@ class LocalStore(OutputStore):
         if not base.is_dir():
             return
         for directory, folders, files in os.walk(base):
-            folders.sort()
+            folders[:] = sorted(folder for folder in folders if not folder.startswith("."))
             relative = Path(directory).relative_to(self.root).as_posix()
             for name in files:
                 if not name.startswith("."):
@@ -85,7 +93,7 @@ class LocalStore(OutputStore):
         base = self.path(prefix)
         if not base.is_dir():
             return []
-        return [entry.name for entry in base.iterdir() if entry.is_dir()]
+        return [entry.name for entry in base.iterdir() if entry.is_dir() and not entry.name.startswith(".")]
 
     def problem(self) -> str | None:
         for folder in (self.root, *(self.root / name for name in (SAMPLES, REJECTS, PROMPTS))):
@@ -117,9 +125,28 @@ class LocalStore(OutputStore):
             linked.unlink(missing_ok=True)
         return None
 
+    def remove_leftovers(self) -> int:
+        temporaries = self.root / TEMPORARY
+        cutoff, removed = time.time() - LEFTOVER_AGE, 0
+        try:
+            with os.scandir(temporaries) as entries:
+                for entry in entries:
+                    try:
+                        if entry.stat().st_mtime < cutoff:
+                            os.unlink(entry.path)
+                            removed += 1
+                    except FileNotFoundError:
+                        continue  # another worker removed it first
+        except FileNotFoundError:
+            pass
+        except OSError as error:
+            raise StoreError(f"cannot clean {temporaries}: {error.strerror or error}") from error
+        return removed
+
     def _write_temporary(self, final: Path, data: bytes) -> Path:
-        """`data` in a fsynced dotfile beside `final`, which readers and listings ignore."""
-        temporary = final.parent / f".{final.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
+        """`data` in a fsynced file in the temporary folder, which listings skip."""
+        self._make_dirs(self.root / TEMPORARY)
+        temporary = self.root / TEMPORARY / f"{final.name}.{os.getpid()}.{os.urandom(4).hex()}"
         try:
             with open(temporary, "wb") as file:
                 file.write(data)
