@@ -200,6 +200,36 @@ class Simulator(ManagedProcess):
         return httpx.get(f"{self.url}/sim/stats", timeout=5).json()
 
 
+class Router(ManagedProcess):
+    """The real sglang-router (`sglang_router.launch_router`) on a free port, in front of `simulators`."""
+
+    def __init__(self, log: Path, simulators: list[Simulator], *flags: str) -> None:
+        self.port = free_port()
+        self.backends = len(simulators)
+        args = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(self.port)]
+        args += ["--worker-urls", *(simulator.url for simulator in simulators), "--log-level", "warn"]
+        args += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
+        super().__init__([*args, *flags], log)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> Router:
+        super().start()
+        wait_until(self._ready, timeout=60, what=f"sglang-router on port {self.port}")
+        return self
+
+    def _ready(self) -> bool:
+        if not self.alive():
+            raise AssertionError(f"sglang-router exited:\n{self.output()[-2000:]}")
+        try:
+            readiness = httpx.get(f"{self.url}/readiness", timeout=1).json()
+        except (httpx.HTTPError, ValueError):
+            return False
+        return readiness.get("healthy_workers") == self.backends
+
+
 # Timings short enough that a test sees a dead worker's jobs come back within seconds.
 FAST_TIMINGS = {
     "FLEET_HEARTBEAT_INTERVAL": "0.5",
@@ -234,8 +264,8 @@ class Fleet:
         }
         self.workers: list[ManagedProcess] = []
 
-    def point_at(self, *simulators: Simulator) -> None:
-        self.env["FLEET_SGLANG_URL"] = ",".join(simulator.url for simulator in simulators)
+    def point_at(self, *servers: Simulator | Router) -> None:
+        self.env["FLEET_SGLANG_URL"] = ",".join(server.url for server in servers)
 
     def write_partition(self, name: str, records: list[dict | str]) -> Path:
         """Write `<name>.jsonl`: dicts as JSON lines, strings as they are (to write bad lines)."""
@@ -336,7 +366,7 @@ def prompts(count: int, partition: str = "p") -> list[dict]:
     return [{"id": f"{partition}-{n}", "prompt": f"Question number {n} of {partition}?"} for n in range(count)]
 
 
-def assert_exactly_once(fleet: Fleet, partition: str, ids: list[str]) -> list[dict]:
+def assert_exactly_once(fleet: Fleet, partition: str, ids: list[str], server_version: str = "simulator") -> list[dict]:
     """Every sample has exactly one committed, complete record, and the export lists them in input order."""
     records = fleet.outputs(partition)
     assert sorted(record["id"] for record in records) == sorted(ids)
@@ -344,7 +374,7 @@ def assert_exactly_once(fleet: Fleet, partition: str, ids: list[str]) -> list[di
         assert record["finish_reason"]["type"] in ("stop", "length")
         assert record["completion_tokens"] == len(record["output_ids"]) > 0
         assert record["input_ids"] and record["server"].startswith("http://127.0.0.1:")
-        assert (record["model"], record["server_version"]) == ("simulated-model", "simulator")
+        assert (record["model"], record["server_version"]) == ("simulated-model", server_version)
     out = fleet.directory / "export"
     fleet.producer("export", "--partition", partition, "--out", str(out), "--strict")
     exported = [orjson.loads(line) for line in (out / f"{partition}.jsonl").read_bytes().splitlines()]

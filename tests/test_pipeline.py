@@ -30,6 +30,7 @@ from tests.harness import (
     Fleet,
     ManagedProcess,
     RedisServer,
+    Router,
     Simulator,
     Start,
     assert_exactly_once,
@@ -413,6 +414,32 @@ def test_requests_turned_away_are_sent_again_at_no_cost(fleet: Fleet, start_simu
     assert_exactly_once(fleet, "p", [f"p-{n}" for n in range(30)])
     assert simulator.stats()["errors"] > 10
     assert "is down" not in worker.output() and f"HTTP {status}" in worker.output()
+
+
+def test_behind_a_loaded_sglang_router_every_prompt_is_generated_once_and_none_fails(
+    fleet: Fleet, start_simulator: Start, tmp_path: Path
+):
+    # The real router with a small admission queue: 4 requests at a time, 4 waiting at most 2 s; the rest are
+    # turned away (sglang-router 0.3.2 answers 408 then; a router may also answer 429). The worker sends 16 at once,
+    # and may spend only one attempt on each job.
+    backends = [start_simulator("--token-latency", "0.01", "--max-output-tokens", "40") for _ in range(2)]
+    flags = ("--max-concurrent-requests", "4", "--queue-size", "4", "--queue-timeout-secs", "2")
+    flags += ("--policy", "round_robin")  # its default, cache-aware, sends these alike prompts all to one
+    router = Router(tmp_path / "router.log", backends, *flags).start()
+    try:
+        fleet.point_at(router)
+        fleet.write_partition("p", prompts(60))
+        fleet.producer("enqueue")
+        worker = fleet.start_worker("--burst", env={"FLEET_SHORT_CONCURRENCY": "16", "FLEET_MAX_ATTEMPTS": "1"})
+        assert worker.wait(timeout=180) == 0
+    finally:
+        router.kill()
+    # A router names the model but not its backends' SGLang version.
+    assert_exactly_once(fleet, "p", [f"p-{n}" for n in range(60)], server_version="")
+    turned_away = re.findall(r"turned away \(\S+: HTTP (\d+)", worker.output())
+    assert turned_away and set(turned_away) <= {"429", "408"}
+    generated = [sum(generations_per_prompt(backend)) for backend in backends]
+    assert sum(generated) == 60 and min(generated) > 0
 
 
 def test_redis_busy_with_a_long_script_stops_nothing(fleet: Fleet, start_simulator: Start, redis_client: redis.Redis):

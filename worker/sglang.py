@@ -201,13 +201,18 @@ class SGLangClient:
             self.any_healthy.clear()
         self._probes[server.url] = asyncio.create_task(self._probe(server))
 
-    async def _info(self, server: Server, path: str) -> dict[str, Any]:
-        try:
-            async with self.session.get(f"{server.url}{path}") as response:
-                info = orjson.loads(await response.read()) if response.status == 200 else {}
-        except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError):
-            return {}
-        return info if isinstance(info, dict) else {}
+    async def _info(self, server: Server, name: str) -> dict[str, Any]:
+        # SGLang 0.5.23 serves /model_info and /server_info, and their deprecated names /get_model_info and
+        # /get_server_info, which are all sglang-router serves.
+        for path in (f"/{name}", f"/get_{name}"):
+            try:
+                async with self.session.get(f"{server.url}{path}") as response:
+                    info = orjson.loads(await response.read()) if response.status == 200 else None
+            except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError):
+                return {}
+            if isinstance(info, dict):
+                return info
+        return {}
 
     async def _probe(self, server: Server) -> None:
         """Poll `/health_generate` until the server can generate again."""
@@ -231,8 +236,9 @@ class SGLangClient:
 
     async def _describe(self, server: Server) -> None:
         """What the server says of its model and version, recorded with every output."""
-        server.model = str((await self._info(server, "/model_info")).get("model_path", ""))
-        server.version = str((await self._info(server, "/server_info")).get("version", ""))
+        server.model = str((await self._info(server, "model_info")).get("model_path", ""))
+        # Behind sglang-router, the router's own info, which has no version.
+        server.version = str((await self._info(server, "server_info")).get("version", ""))
 
     def _set_healthy(self, server: Server) -> None:
         server.healthy = True
