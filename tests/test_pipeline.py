@@ -23,7 +23,7 @@ from rq.job import Job
 from rq.registry import FailedJobRegistry, StartedJobRegistry
 from rq.serializers import JSONSerializer
 
-from common.protocol.keys import DUPLICATES_KEY, lease_key
+from common.protocol.keys import DUPLICATES_KEY, generation_lock_key, lease_key
 from common.protocol.serializer import PlainPickle
 from tests.harness import (
     ROOT,
@@ -479,6 +479,36 @@ def test_redis_frozen_longer_than_two_leases_runs_no_job_twice(
     # Every lease lapsed on Redis's clock; none was reaped, since the live worker renewed them all in time.
     assert sorted(simulator.stats()["inputs"].values()) == [1] * 12
     assert "whose worker stopped renewing" not in worker.output()
+
+
+def test_an_execution_whose_lock_another_took_stops_and_leaves_the_sample_to_it(
+    fleet: Fleet, start_simulator: Start, redis_client: redis.Redis
+):
+    simulator = start_simulator("--token-latency", "0.05", "--min-output-tokens", "100", "--max-output-tokens", "100")
+    fleet.point_at(simulator)
+    fleet.write_partition("p", prompts(3))
+    fleet.producer("enqueue")
+    worker = fleet.start_worker()
+    wait_until(lambda: simulator.stats()["running"] == 3, what="3 generations running")
+    # The lock key vanished (Redis failed over to a replica that had not seen it) and a second execution of
+    # p-0, claimed from a copy of its job, took it before this one renewed it.
+    stolen = fleet.job_id("p", "p-0")
+    redis_client.set(generation_lock_key(stolen), "another-execution", ex=60)
+
+    wait_until(lambda: simulator.stats()["disconnected"] == 1, what="the generation of p-0 to stop")
+    assert f"another execution took the generation lock of {stolen}" in worker.output()
+    leases = redis_client.zrange(lease_key("short"), 0, -1)
+    assert len(leases) == 2 and not any(member.startswith(stolen.encode()) for member in leases)
+    wait_for_outputs(fleet, "p", 2)
+    assert "p-0" not in {record["id"] for record in fleet.outputs("p")}
+    # Now that execution dies, and its job comes back: this worker generates p-0 after all, once.
+    redis_client.delete(generation_lock_key(stolen))
+    redis_client.hset(f"rq:job:{stolen}", "status", "queued")
+    redis_client.lpush("rq:queue:short", stolen)
+    wait_for_outputs(fleet, "p", 3)
+    worker.signal(signal.SIGTERM)
+    assert worker.wait(timeout=30) == 0
+    assert_exactly_once(fleet, "p", [f"p-{n}" for n in range(3)])
 
 
 def test_rq_cleanup_from_a_host_whose_clock_is_ahead_requeues_no_live_job(

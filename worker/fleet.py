@@ -117,9 +117,9 @@ class FleetWorker(Worker):
         self._stop = asyncio.Event()
         self._cold_stop = asyncio.Event()
         self._slot_freed = asyncio.Event()
-        loop = asyncio.get_running_loop()
+        self._loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(signum, self._request_stop)
+            self._loop.add_signal_handler(signum, self._request_stop)
 
         self.client = SGLangClient(self.settings)
         self.generator = Generator(self.settings, store, self.client, max_server_failures=1)
@@ -204,7 +204,9 @@ class FleetWorker(Worker):
                     await call_redis(self.leases.take_lock, lease)
                 result = await self.generator.run(job.id, arguments)
             except asyncio.CancelledError:
-                raise  # the drain puts the job back in its queue
+                if not lease.lost:
+                    raise  # the drain puts the job back in its queue
+                await call_redis(self.leases.finish, self.connection, lease)
             except ServerDown as error:
                 await call_redis(self._server_went_down, job, lease, error)
             except Unauthorized as error:
@@ -349,8 +351,12 @@ class FleetWorker(Worker):
                 self.leases.renew(pipeline, lease)
             replies = pipeline.execute()
         for lease, holds_lock in zip(leases, replies[len(replies) - len(leases) :], strict=True):
-            if lease.locked and not holds_lock:
-                log.warning("lost the generation lock of %s to another worker; the first commit wins", lease.job_id)
+            if lease.locked and not holds_lock and not lease.lost:
+                log.warning("another execution took the generation lock of %s: leaving the sample to it", lease.job_id)
+                lease.lost = True
+                # The heartbeat runs in a thread: the task is cancelled on the loop's.
+                if task := self.tasks.get(lease.job_id):
+                    self._loop.call_soon_threadsafe(task.cancel)
 
     def _reap(self) -> None:
         """Requeue the jobs of workers that died (their leases lapsed)."""

@@ -45,6 +45,9 @@ class Lease:
     started_at: datetime = field(default_factory=lambda: datetime.now(UTC))
     job_id: str = ""
     locked: bool = False
+    # Another execution took the generation lock from this one (the lock key vanished: Redis restarted or failed
+    # over), so this one stops and leaves the sample to it.
+    lost: bool = False
     # A probation job's claim (worker/probation.py): whether no other was running, its turn, the cap's epoch.
     alone: bool = False
     turn: int = 0
