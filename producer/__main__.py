@@ -60,6 +60,9 @@ def enqueue(args: argparse.Namespace) -> int:
         if summary.changed:
             edited = plural(summary.changed, "prompt")
             print(f"  changed: {edited} edited since their outputs were made, generated again")
+        if summary.superseded:
+            failed = plural(summary.superseded, "failed job")
+            print(f"  superseded: {failed} of earlier versions of edited prompts deleted")
         if summary.total == 0:
             print(f"  empty: no records in {settings.data_dir / summary.partition}.jsonl")
         for reject in summary.rejects[: args.show_rejects]:

@@ -8,12 +8,14 @@ step: two producers running at once cannot both push a job.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from redis import Redis
 from rq import Retry
+from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
 from rq.queue import Queue
 from rq.registry import FailedJobRegistry
@@ -37,6 +39,9 @@ from producer.partitions import Partition
 from producer.prompts import Prompt, Reject, Rejected, prompt_version, read_prompts
 from producer.rejects import write_rejects
 
+# How each job's description begins (`_build_job`): "generate <partition>/<sample id>".
+_DESCRIPTION = "generate "
+
 if TYPE_CHECKING:
     # Only a type here: importing transformers takes a second or two, and retry-failed reads this module.
     from producer.tokenizer import ChatTokenizer
@@ -53,6 +58,8 @@ class PartitionSummary:
     rejected: int = 0
     # Prompts edited since their output was made: generated again.
     changed: int = 0
+    # Failed jobs of an earlier version of an edited prompt: deleted, so that retry-failed cannot run them.
+    superseded: int = 0
     # Prompt tokens of the prompts tokenized by this run: their mean sizes the server's concurrency (plan).
     prompt_tokens: int = 0
     tokenized: int = 0
@@ -89,6 +96,7 @@ class Enqueuer:
         self.failed_registries = [
             FailedJobRegistry(name, connection=connection, serializer=PlainPickle).key for name in QUEUES
         ]
+        self._failed: dict[str, set[str]] | None = None
 
     def enqueue(self, partition: Partition) -> PartitionSummary:
         summary = PartitionSummary(partition.name)
@@ -102,6 +110,9 @@ class Enqueuer:
         self.connection.hincrby(counter, "done", len(done))
         # The samples with an output of some version: one whose prompt changed since is generated again.
         generated = {identifier.rsplit("--", 1)[0] for identifier in done}
+        # Failed jobs by sample: one of a sample of the partition with another ID is of an earlier version.
+        failed = self._failed_jobs()
+        earlier: dict[str, str] = {}
         batch: list[_Candidate] = []
         lines = tqdm(read_prompts(partition.path), desc=partition.name, unit=" prompts", disable=None, leave=False)
         for item in lines:
@@ -111,16 +122,21 @@ class Enqueuer:
                 continue
             version = prompt_version(item, sampling_params)
             candidate = _Candidate(item, job_id(partition.name, item.sample_id, version), version)
+            readable = readable_part(partition.name, item.sample_id)
+            for other in failed.get(readable, ()):
+                if other != candidate.job_id:
+                    earlier[other] = f"{_DESCRIPTION}{partition.name}/{item.sample_id}"
             # An output made before versions (no version in its ID) is taken as the prompt's: nothing done is lost.
             if candidate.job_id in done or job_id(partition.name, item.sample_id) in done:
                 summary.done += 1
                 continue
-            summary.changed += readable_part(partition.name, item.sample_id) in generated
+            summary.changed += readable in generated
             batch.append(candidate)
             if len(batch) >= self.batch_size:
                 self._enqueue_batch(batch, partition, queue, sampling_params, summary)
                 batch = []
         self._enqueue_batch(batch, partition, queue, sampling_params, summary)
+        summary.superseded = self._delete_earlier_versions(earlier)
         summary.rejected = len(summary.rejects)
         self._record_totals(partition, summary)
         return summary
@@ -169,6 +185,29 @@ class Enqueuer:
                 summary.failed += 1
             else:
                 summary.pending += 1
+
+    def _failed_jobs(self) -> dict[str, set[str]]:
+        """Every failed job's ID, by the readable part of its ID. Read once per run: few jobs fail."""
+        if self._failed is None:
+            self._failed = defaultdict(set)
+            for key in self.failed_registries:
+                for identifier in (item.decode() for item in self.connection.zrange(key, 0, -1)):
+                    self._failed[identifier.rsplit("--", 1)[0]].add(identifier)
+        return self._failed
+
+    def _delete_earlier_versions(self, earlier: dict[str, str]) -> int:
+        """Delete the failed jobs of earlier versions of edited prompts; how many. `earlier` maps each job ID to
+        the description of its sample's jobs, which tells it from a sample whose ID has the same readable part."""
+        deleted = 0
+        for identifier, description in earlier.items():
+            try:
+                job = Job.fetch(identifier, connection=self.connection, serializer=PlainPickle)
+            except NoSuchJobError:
+                continue
+            if job.description == description and job.get_status() == JobStatus.FAILED:
+                job.delete()
+                deleted += 1
+        return deleted
 
     def _statuses(self, job_ids: list[str]) -> list[str | None]:
         """Each job's status; None where there is no job, or a failed one lost from the failed registries."""
@@ -232,7 +271,7 @@ class Enqueuer:
             connection=self.connection,
             id=candidate.job_id,
             origin=queue.name,
-            description=f"generate {partition.name}/{prompt.sample_id}",
+            description=f"{_DESCRIPTION}{partition.name}/{prompt.sample_id}",
             # A healthy generation can run for many minutes: no job timeout.
             timeout=-1,
             result_ttl=self.settings.result_ttl,

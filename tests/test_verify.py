@@ -152,3 +152,25 @@ def test_an_edited_partition_is_generated_again_and_never_paired_with_old_output
     # Changing the sampling parameters is an edit too.
     (fleet.data_dir / "partitions.toml").write_text("[p]\ntemperature = 0.9\n")
     assert fleet.enqueued()["changed"] == 5
+
+
+def test_a_failed_prompt_fixed_in_the_partition_replaces_its_failed_job(fleet: Fleet, start_simulator: Start):
+    fleet.point_at(start_simulator("--context-length", "60"))
+    fleet.env["FLEET_SHORT_MAX_NEW_TOKENS"] = "16"
+    too_long = {"id": "q", "input_ids": [5] * 80}  # the server answers HTTP 400
+    fleet.write_partition("p", [{"id": "a", "input_ids": [5] * 10}, too_long])
+    fleet.producer("enqueue")
+    assert fleet.start_worker("--burst").wait(timeout=60) == 0
+    assert fleet.enqueued()["failed"] == 1
+    fleet.write_partition("p", [{"id": "a", "input_ids": [5] * 10}, {**too_long, "input_ids": [5] * 20}])
+
+    summary = fleet.enqueued()
+    screen = fleet.producer("enqueue").stdout
+
+    # The failed job of the old prompt is gone: retry-failed cannot run it again, status does not count it.
+    assert (summary["failed"], summary["superseded"], summary["enqueued"]) == (0, 1, 1)
+    assert "superseded" not in screen  # the second run finds nothing more to delete
+    assert fleet.start_worker("--burst").wait(timeout=60) == 0
+    assert fleet.producer_json("status", "--json")["partitions"]["p"]["failed"] == 0
+    assert fleet.producer("retry-failed").stdout.startswith("requeued 0 failed jobs")
+    assert sorted(record["input_ids"] for record in fleet.outputs("p")) == [[5] * 10, [5] * 20]
