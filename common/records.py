@@ -167,6 +167,14 @@ class ServerMetrics(BaseModel):
         return cls.parse({key.decode(): value.decode() for key, value in fields.items()})
 
 
+def figure(text: str | None) -> float | None:
+    """A number as SGLang prints it (in a decode log line, or on /metrics), or None if it is not one."""
+    try:
+        return float(text) if text is not None else None
+    except ValueError:
+        return None
+
+
 class Totals(BaseModel):
     """The running totals of committed samples and generated tokens (`TOTALS_KEY`), for throughput."""
 

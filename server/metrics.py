@@ -20,7 +20,7 @@ from pathlib import Path
 import redis
 
 from common.protocol.keys import server_metrics_key
-from common.records import ServerMetrics
+from common.records import ServerMetrics, figure
 
 _DECODE = re.compile(r"Decode batch(?: \[\d+\])?[.,] (?P<fields>#running-req: .*)")
 # The figures kept, by their label in the log; others (speculative decoding, disaggregation) are skipped.
@@ -61,17 +61,10 @@ def parse_decode(line: str) -> dict[str, str] | None:
     fields = {_FIELDS[label]: value for label, value in found.items() if label in _FIELDS}
     if "token" not in fields and (count := next((found[label] for label in _HYBRID_COUNTS if label in found), None)):
         fields["token"] = count
-    usages = [usage for label in _HYBRID_USAGES if (usage := _number(found.get(label))) is not None]
+    usages = [usage for label in _HYBRID_USAGES if (usage := figure(found.get(label))) is not None]
     if "token_usage" not in fields and usages:
         fields["token_usage"] = f"{max(usages):.2f}"
     return fields
-
-
-def _number(text: str | None) -> float | None:
-    try:
-        return float(text) if text is not None else None
-    except ValueError:
-        return None
 
 
 def is_out_of_memory(line: str) -> bool:

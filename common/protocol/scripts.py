@@ -58,7 +58,7 @@ if redis.call('HEXISTS', KEYS[2], 'retries_left') == 1 then
     redis.call('HSET', KEYS[2], 'retries_left', ARGV[3])
 end
 -- Nor has it crashed the server yet, as far as probation counts (worker/probation.py).
-redis.call('HDEL', KEYS[2], 'fleet_crashes')
+redis.call('HDEL', KEYS[2], 'fleet_crashes', 'fleet_crash_turn')
 -- The failed registry set the job to expire with its entry; a queued job must not.
 redis.call('PERSIST', KEYS[2])
 redis.call('SADD', KEYS[4], KEYS[3])
@@ -200,17 +200,25 @@ end
 return redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', math.floor(tonumber(ARGV[2]) * 1000)) and 1 or 0
 """
 
-# End an execution: drop its registry member, lease and lock (if still its own). Used after the result is
-# recorded, and to requeue: with ARGV[3] = 1 a job still `started` goes back to the front of its queue.
-# KEYS: started registry, lock, job hash, queue list, lease set, lapsed marks. ARGV: member, lock owner,
-# requeue, job ID, RQ timestamp.
-FINISH = """
+# Lua: drop the execution's registry member, lease and lapse mark, and its lock if still its own.
+# KEYS[1]: started registry, KEYS[2]: lock, KEYS[5]: lease set, KEYS[6]: lapsed marks. ARGV[1]: member,
+# ARGV[2]: lock owner.
+_END_EXECUTION = """
 redis.call('ZREM', KEYS[1], ARGV[1])
 redis.call('ZREM', KEYS[5], ARGV[1])
 redis.call('HDEL', KEYS[6], ARGV[1])
 if redis.call('GET', KEYS[2]) == ARGV[2] then
     redis.call('DEL', KEYS[2])
 end
+"""
+
+# End an execution: drop its registry member, lease and lock (if still its own). Used after the result is
+# recorded, and to requeue: with ARGV[3] = 1 a job still `started` goes back to the front of its queue.
+# KEYS: started registry, lock, job hash, queue list, lease set, lapsed marks. ARGV: member, lock owner,
+# requeue, job ID, RQ timestamp.
+FINISH = (
+    _END_EXECUTION
+    + """
 if ARGV[3] == '1' and redis.call('HGET', KEYS[3], 'status') == 'started' then
     redis.call('HSET', KEYS[3], 'status', 'queued', 'enqueued_at', ARGV[5])
     redis.call('LPUSH', KEYS[4], ARGV[4])
@@ -218,6 +226,7 @@ if ARGV[3] == '1' and redis.call('HGET', KEYS[3], 'status') == 'started' then
 end
 return 0
 """
+)
 
 # Mark the leases that lapsed, and put back at the front of their queue the jobs whose lease has stayed
 # lapsed for ARGV[2] seconds since it was marked (their worker is gone), spending none of their retries. A
@@ -260,13 +269,8 @@ return requeued
 # probation hash. ARGV: member, lock owner, job ID, RQ timestamp, probation's first cap.
 SUSPECT = (
     _NOW
+    + _END_EXECUTION
     + """
-redis.call('ZREM', KEYS[1], ARGV[1])
-redis.call('ZREM', KEYS[5], ARGV[1])
-redis.call('HDEL', KEYS[6], ARGV[1])
-if redis.call('GET', KEYS[2]) == ARGV[2] then
-    redis.call('DEL', KEYS[2])
-end
 if redis.call('HGET', KEYS[3], 'status') ~= 'started' then
     return 0
 end
@@ -294,7 +298,12 @@ if tonumber(redis.call('HGET', KEYS[1], 'epoch') or '0') == tonumber(ARGV[3]) th
     redis.call('HINCRBY', KEYS[1], 'epoch', 1)
 end
 if ARGV[2] == '1' and tonumber(redis.call('HGET', KEYS[1], 'turn')) == tonumber(ARGV[1]) then
-    return redis.call('HINCRBY', KEYS[2], 'fleet_crashes', 1)
+    -- Once per claim, though this script runs again when its reply was lost.
+    if redis.call('HGET', KEYS[2], 'fleet_crash_turn') ~= ARGV[1] then
+        redis.call('HSET', KEYS[2], 'fleet_crash_turn', ARGV[1])
+        redis.call('HINCRBY', KEYS[2], 'fleet_crashes', 1)
+    end
+    return tonumber(redis.call('HGET', KEYS[2], 'fleet_crashes'))
 end
 return 0
 """

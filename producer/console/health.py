@@ -15,7 +15,7 @@ import httpx
 from redis import Redis
 
 from common.protocol.keys import server_metrics_key
-from common.records import ServerMetrics
+from common.records import ServerMetrics, figure
 from common.settings import Settings
 
 # SGLang's /health runs the same check as /health_generate, which sleeps about a second, may generate a
@@ -117,16 +117,9 @@ def _scrape(client: httpx.Client, url: str) -> dict[str, float]:
             continue
         name_and_labels, _, value = line.rpartition(" ")
         name = GAUGES.get(name_and_labels.split("{", 1)[0])
-        number = _number(value)
+        number = figure(value)
         if name is None or number is None:
             continue
         combine = max if name in _BUSIEST else sum
         figures[name] = combine((figures.get(name, 0.0), number))
     return figures
-
-
-def _number(text: str | None) -> float | None:
-    try:
-        return float(text) if text is not None else None
-    except ValueError:
-        return None
