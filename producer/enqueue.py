@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from common.protocol import scripts
 from common.protocol.keys import (
+    DESCRIPTION_PREFIX,
     JOB_FUNCTION,
     PENDING,
     QUEUES,
@@ -38,9 +39,6 @@ from common.store import OutputStore
 from producer.partitions import Partition
 from producer.prompts import Prompt, Reject, Rejected, prompt_version, read_prompts
 from producer.rejects import write_rejects
-
-# How each job's description begins (`_build_job`): "generate <partition>/<sample id>".
-_DESCRIPTION = "generate "
 
 if TYPE_CHECKING:
     # Only a type here: importing transformers takes a second or two, and retry-failed reads this module.
@@ -125,7 +123,7 @@ class Enqueuer:
             readable = readable_part(partition.name, item.sample_id)
             for other in failed.get(readable, ()):
                 if other != candidate.job_id:
-                    earlier[other] = f"{_DESCRIPTION}{partition.name}/{item.sample_id}"
+                    earlier[other] = f"{DESCRIPTION_PREFIX}{partition.name}/{item.sample_id}"
             # An output made before versions (no version in its ID) is taken as the prompt's: nothing done is lost.
             if candidate.job_id in done or job_id(partition.name, item.sample_id) in done:
                 summary.done += 1
@@ -271,7 +269,7 @@ class Enqueuer:
             connection=self.connection,
             id=candidate.job_id,
             origin=queue.name,
-            description=f"{_DESCRIPTION}{partition.name}/{prompt.sample_id}",
+            description=f"{DESCRIPTION_PREFIX}{partition.name}/{prompt.sample_id}",
             # A healthy generation can run for many minutes: no job timeout.
             timeout=-1,
             result_ttl=self.settings.result_ttl,

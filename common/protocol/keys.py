@@ -19,6 +19,9 @@ PROBATION_QUEUE_KEY = Queue.redis_queue_namespace_prefix + PROBATION
 
 # The only function a FleetWorker executes, whatever a job in Redis names.
 JOB_FUNCTION = "worker.jobs.generate"
+# How a job's description begins: "generate <partition>/<sample id>" names its sample exactly, as the readable
+# part of its ID may not.
+DESCRIPTION_PREFIX = "generate "
 
 # RQ's job hashes, which the Lua scripts build from job IDs as RQ's own scripts do.
 JOB_KEY_PREFIX = Job.redis_job_namespace_prefix

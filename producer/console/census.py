@@ -18,12 +18,11 @@ from redis import Redis
 from rq.job import Job
 from rq.queue import Queue
 
-from common.protocol.keys import ALL_QUEUES, job_id_prefix, lease_key, partition_key
+from common.protocol.keys import ALL_QUEUES, DESCRIPTION_PREFIX, job_id_prefix, lease_key, partition_key
 from common.protocol.serializer import PlainPickle
 
 # Jobs that no known partition claims: not the producer's, or from a partition whose totals are gone.
 UNKNOWN = "(unknown)"
-_DESCRIPTION = "generate "
 
 
 @dataclass
@@ -126,6 +125,6 @@ def take_census(connection: Redis, resolver: PartitionResolver, now: float, wind
 
 
 def _partition_of(description: str) -> str:
-    if not description.startswith(_DESCRIPTION) or "/" not in description:
+    if not description.startswith(DESCRIPTION_PREFIX) or "/" not in description:
         return UNKNOWN
-    return description.removeprefix(_DESCRIPTION).split("/", 1)[0]
+    return description.removeprefix(DESCRIPTION_PREFIX).split("/", 1)[0]
