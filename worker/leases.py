@@ -99,7 +99,8 @@ class Leases:
             lease_key(lease.queue.name),
             lapsed_key(lease.queue.name),
         ]
-        self._renew(keys=keys, args=[lease.member, lease.owner, self.lease_ttl], client=pipeline)
+        args = [lease.member, lease.owner, self.lease_ttl, int(lease.locked)]
+        self._renew(keys=keys, args=args, client=pipeline)
 
     def take_lock(self, lease: Lease) -> bool:
         lease.locked = bool(self._lock(keys=[lease.lock], args=[lease.owner, self.lease_ttl]))

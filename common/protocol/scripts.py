@@ -174,15 +174,21 @@ end
 )
 
 # Extend a job's lease and its lock, re-creating them (and its registry entry) if Redis lost them; never
-# take a lock another execution holds. Returns 1 while the lock is this execution's.
-# KEYS: started registry, lock, lease set, lapsed marks. ARGV: member, lock owner, lease seconds.
+# take a lock another execution holds. An execution that held the lock and finds another's has lost the sample
+# to it: it is not renewed (its worker stops it and ends it), nor re-created if it has ended meanwhile. Returns
+# 1 while the lock is this execution's.
+# KEYS: started registry, lock, lease set, lapsed marks. ARGV: member, lock owner, lease seconds, 1 if the
+# execution held the lock.
 RENEW = (
     _NOW
     + """
+local holder = redis.call('GET', KEYS[2])
+if ARGV[4] == '1' and holder ~= false and holder ~= ARGV[2] then
+    return 0
+end
 redis.call('ZADD', KEYS[1], '+inf', ARGV[1])
 redis.call('ZADD', KEYS[3], now + tonumber(ARGV[3]), ARGV[1])
 redis.call('HDEL', KEYS[4], ARGV[1])
-local holder = redis.call('GET', KEYS[2])
 if holder == false or holder == ARGV[2] then
     redis.call('SET', KEYS[2], ARGV[2], 'PX', math.floor(tonumber(ARGV[3]) * 1000))
     return 1
