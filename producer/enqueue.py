@@ -31,6 +31,7 @@ from common.protocol.keys import (
     job_id,
     partition_key,
     readable_part,
+    readable_part_of,
 )
 from common.protocol.serializer import PlainPickle
 from common.records import GenerationJob, PromptRef
@@ -107,7 +108,7 @@ class Enqueuer:
         done = self.store.done(partition.name)
         self.connection.hincrby(counter, "done", len(done))
         # The samples with an output of some version: one whose prompt changed since is generated again.
-        generated = {identifier.rsplit("--", 1)[0] for identifier in done}
+        generated = {readable_part_of(identifier) for identifier in done}
         # Failed jobs by sample: one of a sample of the partition with another ID is of an earlier version.
         failed = self._failed_jobs()
         earlier: dict[str, str] = {}
@@ -190,7 +191,7 @@ class Enqueuer:
             self._failed = defaultdict(set)
             for key in self.failed_registries:
                 for identifier in (item.decode() for item in self.connection.zrange(key, 0, -1)):
-                    self._failed[identifier.rsplit("--", 1)[0]].add(identifier)
+                    self._failed[readable_part_of(identifier)].add(identifier)
         return self._failed
 
     def _delete_earlier_versions(self, earlier: dict[str, str]) -> int:

@@ -33,13 +33,13 @@ class Probation:
         self._crashed = connection.register_script(scripts.CRASHED)
         self._passed = connection.register_script(scripts.PASSED)
 
-    def suspect(self, lease: Lease) -> bool:
+    def suspect(self, lease: Lease) -> None:
         """Move the job of `lease`, whose request was in flight when its server went down, to probation's back."""
         queue = lease.queue
         keys = [queue.started_job_registry.key, lease.lock, Job.key_for(lease.job_id), PROBATION_QUEUE_KEY]
         keys += [lease_key(queue.name), lapsed_key(queue.name), lease_key(PROBATION), PROBATION_KEY]
         args = [lease.member, lease.owner, lease.job_id, utcformat(now()), self.largest_cap]
-        return bool(self._suspect(keys=keys, args=args))
+        self._suspect(keys=keys, args=args)
 
     def crashed(self, lease: Lease) -> int:
         """A probation job's server went down: how many times it has now done so with this job running alone."""

@@ -69,6 +69,11 @@ def readable_part(partition: str, sample_id: str | int) -> str:
     return _UNSAFE.sub("_", f"{partition}--{sample_key(sample_id)}")[:80]
 
 
+def readable_part_of(job_id: str) -> str:
+    """The `readable_part` a job ID begins with: what the IDs of every version of its sample share."""
+    return job_id.rsplit("--", 1)[0]
+
+
 # Held while a worker generates a sample, so that two workers never generate it at once.
 LOCK_PREFIX = f"{PREFIX}:lock:"
 

@@ -270,7 +270,7 @@ return requeued
 # with nothing else in flight, until one runs alone when the server goes down: that one crashes it.
 
 # Send a job whose request was in flight when its server went down to the back of probation, as FINISH
-# requeues; the first to arrive in an idle probation sets its cap. Returns 1 if the job was moved.
+# requeues; the first to arrive in an idle probation sets its cap. A job no longer `started` stays as it is.
 # KEYS: started registry, lock, job hash, probation list, lease set, lapsed marks, probation lease set,
 # probation hash. ARGV: member, lock owner, job ID, RQ timestamp, probation's first cap.
 SUSPECT = (
